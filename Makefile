@@ -1,0 +1,33 @@
+# Two entry points a reader needs: `make book` and `make test`.
+# Both create .venv on first use and install the pinned stack (constraints.txt).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+# One thread per rank: four gloo ranks on a two-core laptop must not fight over cores.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: book test venv exercises bench clean
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[book,test]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+## Build the executed book into _build/html (runs every notebook once, cached).
+book: venv
+	$(BIN)/jupyter-book build . --all -n -W --keep-going
+
+## Run every test: unit tests, multi-rank tests, and every notebook under nbval.
+test: venv
+	$(BIN)/python -m pytest --durations=15 \
+	    --nbval-lax --nbval-current-env --nbval-cell-timeout=240 tests notebooks
+
+## Learner notebooks: every solution replaced by `raise NotImplementedError`.
+exercises: venv
+	$(BIN)/python -m dtlib.exercises strip notebooks -o exercises
+
+clean:
+	rm -rf _build exercises

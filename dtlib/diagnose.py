@@ -1,0 +1,157 @@
+"""Reading what ranks left behind: where a hung rank was, and why a rank died.
+
+Used by :mod:`dtlib.launch` to turn a timeout into "rank 0 waits in all_reduce at line 7,
+rank 1 is at line 9 and never joined", and a crash into "rank 2 raised ValueError".
+
+Taught in: Chapter 0 (the deadlock demo) and Chapter 2 (rank-0-only reduce/gather).
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import re
+import signal
+import sysconfig
+from dataclasses import dataclass
+
+_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+|^Stack \(most recent")
+_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(
+    __import__("torch").__file__)))  # site-packages (torch and its deps live here)
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame of a stack dump."""
+
+    file: str
+    line: int
+    func: str
+
+
+def parse_stack(text: str) -> list[list[Frame]]:
+    """Split a faulthandler dump into threads, each a list of frames, innermost first."""
+    threads: list[list[Frame]] = []
+    for raw in text.splitlines():
+        if _THREAD.match(raw):
+            threads.append([])
+            continue
+        m = _FRAME.match(raw)
+        if m:
+            if not threads:
+                threads.append([])
+            threads[-1].append(Frame(m["file"], int(m["line"]), m["func"].strip()))
+    return [t for t in threads if t]
+
+
+def _is_library(path: str) -> bool:
+    if path.startswith("<"):  # <frozen runpy>, <string>
+        return True
+    path = os.path.abspath(path)
+    return path.startswith(_TORCH_DIR) or path.startswith(_STDLIB)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def where(threads: list[list[Frame]], script: str | None) -> tuple[Frame | None, str | None]:
+    """The reader's innermost frame and the torch.distributed call below it (if any).
+
+    Args:
+        threads: from :func:`parse_stack`.
+        script: the launched script; ``None`` picks the innermost frame outside torch
+            and the standard library.
+    Returns:
+        ``(frame, collective)``; ``collective`` is the name of the outermost
+        ``torch.distributed`` function called from that frame, e.g. ``"all_reduce"``.
+    """
+    for frames in threads:
+        for i, fr in enumerate(frames):
+            mine = _same_file(fr.file, script) if script else not _is_library(fr.file)
+            if not mine:
+                continue
+            deeper = frames[:i]  # innermost first
+            names = [f.func for f in deeper
+                     if f.file.endswith("distributed_c10d.py") and not f.func.startswith("_")]
+            if not names:
+                names = [f.func for f in deeper if os.sep + "distributed" + os.sep in f.file
+                         and f.func != "wrapper" and not f.func.startswith("_")]
+            return fr, (names[-1] if names else None)
+    return None, None
+
+
+def _source(frame: Frame) -> str:
+    return linecache.getline(frame.file, frame.line).strip()
+
+
+def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | None,
+                       label: str | None = None) -> str:
+    """One line saying where ``rank`` was when the launch timed out."""
+    if not alive:
+        return f"rank {rank}: had already exited; it never called what the others wait in"
+    if not stack:
+        return f"rank {rank}: alive but left no stack (still starting up, or not Python)"
+    frame, collective = where(parse_stack(stack), script)
+    if frame is None:
+        return f"rank {rank}: no frame of the script on its stack (still importing?)"
+    label = label or f"{os.path.basename(frame.file)} line"
+    place = f"{label} {frame.line}: {_source(frame)}"
+    if collective:
+        return f"rank {rank}: in {collective} at {place}  <- waiting for its peers"
+    return f"rank {rank}: at {place}  <- not in a collective: never joined the others"
+
+
+HANG_HINT = (
+    "The usual cause is a collective mismatch: a rank that never calls the collective its "
+    "peers wait in (a collective under `if rank == 0:`, a different number of calls per "
+    "rank, or a rank stuck elsewhere)."
+)
+
+
+def exit_cause(code: int | None) -> str:
+    """Words for a process exit code (negative: killed by a signal)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        extra = " (kill -9, or the out-of-memory killer)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{extra}"
+    return f"exit code {code}"
+
+
+def read_exception(log_dir: str, rank: int) -> dict | None:
+    """The exception a rank recorded before dying, or None."""
+    path = os.path.join(log_dir, f"rank{rank}.exc")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+_ROOT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                   re.S)
+
+
+def torchrun_root_cause(agent_output: str) -> tuple[int, int] | None:
+    """``(rank, exitcode)`` of the first failure in torchrun's failure summary."""
+    text = agent_output
+    if "Root Cause" in text:
+        text = text[text.index("Root Cause"):]
+    m = _ROOT.search(text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def tail(text: str, n: int = 15) -> str:
+    """The last ``n`` lines of ``text``."""
+    return "\n".join(text.rstrip().splitlines()[-n:])

@@ -1,0 +1,58 @@
+"""``%%torchrun``: run a notebook cell as a multi-rank program.
+
+Load with ``%load_ext dtlib``, then::
+
+    %%torchrun -n 4 --timeout 60
+    import torch, torch.distributed as dist
+    from dtlib import dist as ddist
+    world = ddist.init()
+    ...
+
+The cell is written to a temporary script and launched by :func:`dtlib.launch.torchrun`,
+so a reader edits a cell and re-runs it like any other. Line numbers in error reports are
+the cell's own.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from dtlib import launch
+
+
+@magics_class
+class TorchrunMagics(Magics):
+    """The ``%%torchrun`` cell magic."""
+
+    @magic_arguments()
+    @argument("-n", "--nproc", type=int, default=None,
+              help="ranks to start (default: GPUs, else 4)")
+    @argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S,
+              help="seconds before every rank is stopped")
+    @argument("--quiet", action="store_true", help="do not stream the ranks' output")
+    @argument("args", nargs="*", help="arguments passed to the cell as sys.argv[1:]")
+    @cell_magic
+    def torchrun(self, line: str, cell: str) -> None:
+        """Run this cell on ``-n`` ranks under torchrun (``%%torchrun -n 4 --timeout 60``).
+
+        Raises LaunchError / LaunchTimeout from :mod:`dtlib.launch`; the traceback of the
+        failing rank, or where each rank hung, is in the message.
+        """
+        opts = parse_argstring(self.torchrun, line)
+        fd, path = tempfile.mkstemp(prefix="torchrun_cell_", suffix=".py")
+        with os.fdopen(fd, "w") as f:
+            f.write(cell)
+        try:
+            launch.torchrun(path, *opts.args, nproc=opts.nproc, timeout=opts.timeout,
+                            stream=not opts.quiet, label="cell line")
+        except launch.LaunchError as exc:
+            # A short traceback: the useful part is the message, not the launcher's frames.
+            exc.__traceback__ = None
+            raise exc from None
+        finally:
+            os.unlink(path)
+

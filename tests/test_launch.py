@@ -1,0 +1,148 @@
+"""The launch layer: spawn returns per-rank values, failures name their rank, hangs end."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtlib import dist as ddist
+from dtlib import launch
+
+
+def _rank_and_sum() -> tuple[int, int, float, str]:
+    world = ddist.world()
+    t = torch.tensor([float(world.rank + 1)])
+    dist.all_reduce(t)
+    return world.rank, world.world_size, t.item(), world.backend
+
+
+def _raise_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    dist.barrier()
+
+
+def _deadlock() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # the others never call it
+    else:
+        time.sleep(600)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_spawn_returns_each_ranks_value(world_size: int) -> None:
+    values = launch.spawn(_rank_and_sum, world_size, stream=False)
+    expected_sum = world_size * (world_size + 1) / 2
+    assert values == [(r, world_size, expected_sum, "gloo") for r in range(world_size)]
+
+
+def test_spawn_names_the_failing_rank_and_its_exception() -> None:
+    with pytest.raises(launch.LaunchError) as info:
+        launch.spawn(_raise_on_rank_one, 3, stream=False)
+    assert info.value.rank == 1
+    assert "rank 1 failed" in str(info.value)
+    assert "ValueError: rank one refuses" in str(info.value)
+
+
+def test_spawn_deadlock_reports_each_rank(no_leftovers: None) -> None:
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchTimeout) as info:
+        launch.spawn(_deadlock, 2, timeout=5, stream=False)
+    assert time.monotonic() - start < 15
+    report = info.value.report
+    assert "rank 0: in all_reduce" in report[0] and "test_launch.py line" in report[0]
+    assert "never joined" in report[1] and "time.sleep(600)" in report[1]
+
+
+def test_spawn_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="nproc=0"):
+        launch.spawn(_rank_and_sum, 0)
+    with pytest.raises(ValueError, match="timeout"):
+        launch.spawn(_rank_and_sum, 2, timeout=-1)
+    with pytest.raises(ValueError, match="importable"):
+        launch.spawn(lambda: None, 2)
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+HELLO = """
+    import torch, torch.distributed as dist
+    from dtlib import dist as ddist
+    world = ddist.init()
+    t = torch.tensor([world.rank + 1.0])
+    dist.all_reduce(t)
+    print("partial", end="")     # text and newline arrive as separate writes
+    print(f" line of rank {world.rank}: sum={t.item():.0f}")
+"""
+
+
+def test_torchrun_streams_whole_prefixed_lines(tmp_path, capsys) -> None:
+    result = launch.torchrun(_script(tmp_path, HELLO), nproc=4, timeout=90)
+    assert result.returncode == 0
+    out = capsys.readouterr().out
+    for r in range(4):
+        assert f"[rank {r}] partial line of rank {r}: sum=10" in out.splitlines()
+        assert result.outputs[r].splitlines()[-1] == f"partial line of rank {r}: sum=10"
+
+
+DEADLOCK = """
+    import time, torch, torch.distributed as dist
+    from dtlib import dist as ddist
+    world = ddist.init()
+    t = torch.ones(1)
+    if world.rank == 0:
+        dist.all_reduce(t)
+    else:
+        time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_deadlock_is_stopped_and_reported(tmp_path, nproc, no_leftovers) -> None:
+    script = _script(tmp_path, DEADLOCK)
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchTimeout) as info:
+        launch.torchrun(script, nproc=nproc, timeout=15, stream=False)
+    assert time.monotonic() - start < 30
+    report = info.value.report
+    assert report[0].startswith("rank 0: in all_reduce at script.py line 7")
+    for r in range(1, nproc):
+        assert report[r].startswith(f"rank {r}: at script.py line 9: time.sleep(600)")
+    assert "collective mismatch" in str(info.value)
+
+
+RAISES = """
+    import torch.distributed as dist
+    from dtlib import dist as ddist
+    world = ddist.init()
+    if world.rank == 2:
+        raise RuntimeError("bad shard on rank two")
+    dist.barrier()
+"""
+
+
+def test_torchrun_names_failing_rank_with_traceback(tmp_path, no_leftovers) -> None:
+    with pytest.raises(launch.LaunchError) as info:
+        launch.torchrun(_script(tmp_path, RAISES), nproc=4, timeout=60, stream=False)
+    assert info.value.rank == 2
+    msg = str(info.value)
+    assert "rank 2 failed (RuntimeError: bad shard on rank two)" in msg
+    assert 'script.py", line 6' in msg
+
+
+def test_torchrun_rejects_bad_arguments(tmp_path) -> None:
+    with pytest.raises(ValueError, match="no such script"):
+        launch.torchrun(tmp_path / "missing.py", nproc=2)
+    with pytest.raises(ValueError, match="nproc"):
+        launch.torchrun(_script(tmp_path, HELLO), nproc=-2)
