@@ -17,8 +17,12 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 venv: $(BIN)/.installed
 
 ## Build the executed book into _build/html (runs every notebook once, cached).
+# The execution cache keys on notebook code only: a change in dtlib must re-execute.
 book: venv
+	@if [ -d _build/.jupyter_cache ] && [ -n "$$(find dtlib -name '*.py' -newer _build/.jupyter_cache)" ]; then \
+	    echo "dtlib changed: clearing the notebook execution cache"; rm -rf _build/.jupyter_cache; fi
 	$(BIN)/jupyter-book build . --all -n -W --keep-going
+	touch _build/.jupyter_cache
 
 ## Run every test: unit tests, multi-rank tests, and every notebook under nbval.
 test: venv

@@ -108,9 +108,25 @@ def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | 
     return f"rank {rank}: at {place}  <- not in a collective: never joined the others"
 
 
+def mismatch_summary(stacks: dict[int, str], script: str | None) -> str | None:
+    """Name the collectives the ranks wait in when they are not all the same call."""
+    places: dict[str, list[int]] = {}
+    for rank, text in sorted(stacks.items()):
+        frame, collective = where(parse_stack(text), script)
+        if frame is None:
+            continue
+        key = f"{collective or 'no collective'} (line {frame.line})"
+        places.setdefault(key, []).append(rank)
+    if len(places) < 2:
+        return None
+    parts = [f"{key} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+             for key, r in places.items()]
+    return "The ranks are not in the same call: " + "; ".join(parts) + "."
+
+
 HANG_HINT = (
     "The usual cause is a collective mismatch: a rank that never calls the collective its "
-    "peers wait in (a collective under `if rank == 0:`, a different number of calls per "
+    "peers wait in (a collective under 'if rank == 0:', a different number of calls per "
     "rank, or a rank stuck elsewhere)."
 )
 

@@ -64,6 +64,11 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.outputs = outputs or {}
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of the launcher's own frames: in a notebook the
+        # message (failing rank, its traceback, or where each rank hung) is the story.
+        return [f"{type(self).__name__}: {self}"]
+
 
 class LaunchTimeout(LaunchError):
     """The launch ran past its timeout; ``report`` says where each rank was."""
@@ -168,8 +173,10 @@ class _Supervisor:
                                         script, self.label)
             for r in range(self.nproc)
         ]
+        mismatch = diagnose.mismatch_summary(stacks, script)
         msg = (f"launch timed out after {timeout:g} s; the ranks were stopped.\n"
-               "Where each rank was:\n  " + "\n  ".join(report) + "\n" + diagnose.HANG_HINT)
+               "Where each rank was:\n  " + "\n  ".join(report) + "\n"
+               + (mismatch + "\n" if mismatch else "") + diagnose.HANG_HINT)
         return LaunchTimeout(msg, report, self.texts())
 
     def failure(self, rank: int | None, cause: str) -> LaunchError:

@@ -39,20 +39,24 @@ class TorchrunMagics(Magics):
     def torchrun(self, line: str, cell: str) -> None:
         """Run this cell on ``-n`` ranks under torchrun (``%%torchrun -n 4 --timeout 60``).
 
+        The :class:`~dtlib.launch.LaunchResult` is left in the variable
+        ``torchrun_result`` for the next cell.
+
         Raises LaunchError / LaunchTimeout from :mod:`dtlib.launch`; the traceback of the
         failing rank, or where each rank hung, is in the message.
         """
         opts = parse_argstring(self.torchrun, line)
         fd, path = tempfile.mkstemp(prefix="torchrun_cell_", suffix=".py")
         with os.fdopen(fd, "w") as f:
-            f.write(cell)
+            # One empty line stands in for the %%torchrun line, so the line numbers in
+            # tracebacks and hang reports are the ones the notebook shows.
+            f.write("\n" + cell)
         try:
-            launch.torchrun(path, *opts.args, nproc=opts.nproc, timeout=opts.timeout,
-                            stream=not opts.quiet, label="cell line")
-        except launch.LaunchError as exc:
-            # A short traceback: the useful part is the message, not the launcher's frames.
-            exc.__traceback__ = None
-            raise exc from None
+            result = launch.torchrun(path, *opts.args, nproc=opts.nproc,
+                                     timeout=opts.timeout, stream=not opts.quiet,
+                                     label="cell line")
+            # Kept for the next cell: outputs per rank and the launch's wall time.
+            self.shell.user_ns["torchrun_result"] = result
         finally:
             os.unlink(path)
 
