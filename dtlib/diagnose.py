@@ -155,17 +155,55 @@ def read_exception(log_dir: str, rank: int) -> dict | None:
         return None
 
 
+#: Errors a rank raises when a *peer* died: echoes of the root cause, not the cause.
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "communicator was aborted", "remote process exited", "Connection refused")
+
+
+def is_peer_loss(exc: dict | None) -> bool:
+    """Whether a recorded exception only says that another rank went away."""
+    return exc is not None and any(m in exc.get("message", "") for m in PEER_LOSS)
+
+
+def root_cause(exceptions: dict[int, dict], deaths: dict[int, float],
+               exit_codes: dict[int, int]) -> tuple[int | None, str]:
+    """Pick the rank that failed first, and say why.
+
+    A rank's own exception beats a silent death (signal, ``os._exit``), which beats the
+    "connection closed" errors its peers raise afterwards; ties go to the earliest.
+    SIGTERM is what the launcher sends survivors, so it is never the cause.
+
+    Args:
+        exceptions: rank -> recorded exception (``type``, ``message``, ``time``).
+        deaths: rank -> when the launcher saw the rank gone.
+        exit_codes: rank -> exit code, where known.
+    Returns:
+        ``(rank, cause)``; rank is None when nothing points at one.
+    """
+    own = {r: e["time"] for r, e in exceptions.items() if not is_peer_loss(e)}
+    if own:
+        r = min(own, key=own.__getitem__)
+        return r, f"{exceptions[r]['type']}: {exceptions[r]['message']}"
+    silent = {r: deaths.get(r, float("inf")) for r, code in exit_codes.items()
+              if code not in (0, -signal.SIGTERM) and r not in exceptions}
+    silent.update({r: t for r, t in deaths.items()
+                   if r not in exceptions and exit_codes.get(r) != -signal.SIGTERM})
+    if silent:
+        r = min(silent, key=lambda k: (silent[k], k))
+        return r, exit_cause(exit_codes.get(r, 1)) if r in exit_codes else "died"
+    if exceptions:
+        r = min(exceptions, key=lambda k: exceptions[k]["time"])
+        return r, f"{exceptions[r]['type']}: {exceptions[r]['message']}"
+    return None, "no rank left a clue"
+
+
 _ROOT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
                    re.S)
 
 
-def torchrun_root_cause(agent_output: str) -> tuple[int, int] | None:
-    """``(rank, exitcode)`` of the first failure in torchrun's failure summary."""
-    text = agent_output
-    if "Root Cause" in text:
-        text = text[text.index("Root Cause"):]
-    m = _ROOT.search(text)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+def torchrun_exit_codes(agent_output: str) -> dict[int, int]:
+    """rank -> exit code for every failure in torchrun's failure summary."""
+    return {int(m.group(1)): int(m.group(2)) for m in _ROOT.finditer(agent_output)}
 
 
 def tail(text: str, n: int = 15) -> str:

@@ -100,10 +100,14 @@ class _Supervisor:
         self._offsets = [0] * nproc
         self._partial = [b""] * nproc
         self.outputs: dict[int, list[str]] = {r: [] for r in range(nproc)}
+        self.deaths: dict[int, float] = {}
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(DTLIB_LOG_DIR=self.log_dir, DTLIB_LAUNCHED="1", PYTHONUNBUFFERED="1")
+        # Marks every process of this launch, so a test suite can find exactly its own
+        # leftovers on a machine where other launches run too.
+        env.setdefault("DTLIB_LAUNCH_OWNER", str(os.getpid()))
         env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(self.nproc)))
         return env
 
@@ -189,12 +193,19 @@ class _Supervisor:
         who = f"rank {rank} failed ({cause})" if rank is not None else f"launch failed ({cause})"
         return LaunchError(f"{who}; the other ranks were stopped.\n{detail}", rank, texts)
 
-    def first_exception(self) -> int | None:
-        """The rank whose exception came first: later ones are usually its echo
-        ("Connection closed by peer" on the ranks that were talking to it)."""
-        times = {r: exc.get("time", 0.0) for r in range(self.nproc)
-                 if (exc := diagnose.read_exception(self.log_dir, r)) is not None}
-        return min(times, key=times.__getitem__) if times else None
+    def watch(self) -> None:
+        """Note when each rank is first seen dead (to tell cause from echo later)."""
+        for r, pid in self.rank_pids().items():
+            if r not in self.deaths and not _alive(pid):
+                self.deaths[r] = time.time()
+
+    def root_cause_error(self, exit_codes: dict[int, int]) -> LaunchError:
+        """The :class:`LaunchError` naming the rank that failed first."""
+        self.pump(final=True)
+        exceptions = {r: e for r in range(self.nproc)
+                      if (e := diagnose.read_exception(self.log_dir, r)) is not None}
+        rank, cause = diagnose.root_cause(exceptions, self.deaths, exit_codes)
+        return self.failure(rank, cause)
 
     def close(self) -> None:
         shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -272,6 +283,7 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
     try:
         while proc.poll() is None:
             sup.pump()
+            sup.watch()
             if time.monotonic() - start > timeout:
                 sup.pump()
                 raise sup.timeout_error(timeout, script)
@@ -279,20 +291,12 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
         reader.join(timeout=5)
         sup.pump(final=True)
         if proc.returncode != 0:
-            rank = sup.first_exception()
-            cause = "raised an exception"
-            if rank is None:
-                root = diagnose.torchrun_root_cause("".join(agent_out))
-                if root is not None:
-                    rank, code = root
-                    cause = diagnose.exit_cause(code)
-                else:
-                    cause = f"torchrun {diagnose.exit_cause(proc.returncode)}:\n" + \
-                        diagnose.tail("".join(agent_out))
-            else:
-                exc = diagnose.read_exception(sup.log_dir, rank) or {}
-                cause = f"{exc.get('type', 'exception')}: {exc.get('message', '')}"
-            raise sup.failure(rank, cause)
+            codes = diagnose.torchrun_exit_codes("".join(agent_out))
+            error = sup.root_cause_error(codes)
+            if error.rank is None:
+                error = sup.failure(None, f"torchrun {diagnose.exit_cause(proc.returncode)}"
+                                    f":\n{diagnose.tail(''.join(agent_out))}")
+            raise error
         return LaunchResult(0, sup.texts(), time.monotonic() - start)
     finally:
         # Runs on success, failure, timeout and KeyboardInterrupt alike.
@@ -392,15 +396,24 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
             p.start()
         while len(values) < world_size:
             sup.pump()
+            failed = False
             for r, (recv, _) in enumerate(pipes):
                 if r not in values and recv.poll():
                     status, value = recv.recv()
-                    if status == "error":
-                        raise _spawn_failure(sup, r)
-                    values[r] = value
+                    failed |= status == "error"
+                    if status == "ok":
+                        values[r] = value
             for r, p in enumerate(procs):
-                if r not in values and p.exitcode is not None and not pipes[r][0].poll():
-                    raise _spawn_failure(sup, r, p.exitcode)
+                if p.exitcode not in (None, 0):
+                    sup.deaths.setdefault(r, time.time())
+                    failed = True
+            if failed:
+                time.sleep(0.3)  # let the first failure's echoes land before judging
+                codes = {r: p.exitcode for r, p in enumerate(procs)
+                         if p.exitcode not in (None, 0)}
+                for r in codes:
+                    sup.deaths.setdefault(r, time.time())
+                raise sup.root_cause_error(codes)
             if time.monotonic() - start > timeout:
                 sup.pump()
                 raise sup.timeout_error(timeout, None)
@@ -414,12 +427,3 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
         sup.close()
         del store
 
-
-def _spawn_failure(sup: _Supervisor, rank: int, code: int | None = None) -> LaunchError:
-    sup.pump(final=True)
-    exc = diagnose.read_exception(sup.log_dir, rank)
-    if exc is not None:
-        cause = f"{exc['type']}: {exc['message']}"
-    else:
-        cause = diagnose.exit_cause(code)
-    return sup.failure(rank, cause)

@@ -1,0 +1,75 @@
+"""Suite-wide checks: no launched process outlives a test, and notebook wall times.
+
+At the root so it covers both ``tests/`` and the notebooks nbval collects.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import psutil
+import pytest
+
+_NOTEBOOK_SECONDS: dict[str, float] = collections.defaultdict(float)
+
+
+# Every launch from this test session (and from subprocesses it starts) carries this
+# mark in its environment: other sessions' launches on the same machine are not ours.
+OWNER = os.environ.setdefault("DTLIB_LAUNCH_OWNER", str(os.getpid()))
+
+
+def launched_processes(pattern: str = "") -> list[psutil.Process]:
+    """This session's torchrun agents and rank workers whose command line has
+    ``pattern``."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if ("dtlib.worker" in cmd or "torch.distributed.run" in cmd) and pattern in cmd \
+                    and p.environ().get("DTLIB_LAUNCH_OWNER") == OWNER:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    gone, alive = psutil.wait_procs(procs, timeout=2)
+    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fail the test if it leaves a torchrun agent or rank worker alive."""
+    yield
+    leftovers = _alive(launched_processes())
+    assert not leftovers, f"processes left behind: {[p.cmdline() for p in leftovers]}"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        _NOTEBOOK_SECONDS[path] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    leftovers = _alive(launched_processes())
+    if leftovers:
+        session.config._dtlib_leftovers = [" ".join(p.cmdline()) for p in leftovers]
+        for p in leftovers:
+            p.kill()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config) -> None:
+    if _NOTEBOOK_SECONDS:
+        terminalreporter.section("notebook wall times (budget: 90 s each)")
+        for path, seconds in sorted(_NOTEBOOK_SECONDS.items()):
+            flag = "" if seconds <= 90 else "   <-- over budget"
+            terminalreporter.write_line(f"{seconds:7.1f} s  {path}{flag}")
+    leftovers = getattr(config, "_dtlib_leftovers", None)
+    if leftovers:
+        terminalreporter.section("processes left behind (killed; the run fails)")
+        for cmd in leftovers:
+            terminalreporter.write_line(cmd)

@@ -1,0 +1,121 @@
+"""When a launch goes wrong: dead ranks are named with their cause, the survivors are
+ended promptly, an interrupt leaves nothing behind, and the next launch works at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import launched_processes
+from dtlib import launch
+
+WAIT_FOR_DEATH = """
+    import os, signal, sys, time, torch, torch.distributed as dist
+    from dtlib import dist as ddist
+    world = ddist.init()
+    dist.barrier()                      # everyone is up
+    if world.rank == 1:
+        time.sleep(1.0)
+        {death}
+    dist.all_reduce(torch.ones(1))      # the survivors wait here for rank 1
+"""
+
+
+def _script(tmp_path, body: str, name: str = "script.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+@pytest.mark.parametrize("death, cause", [
+    ("os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL"),
+    ("os._exit(3)", "exit code 3"),
+])
+def test_torchrun_names_a_dead_rank_and_ends_the_others(tmp_path, death, cause,
+                                                        no_leftovers) -> None:
+    script = _script(tmp_path, WAIT_FOR_DEATH.format(death=death))
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchError) as info:
+        launch.torchrun(script, nproc=4, timeout=120, stream=False)
+    # Launch (~6-9 s on two cores) + 1 s + detection; far below the 120 s timeout and
+    # the collective timeout the survivors would otherwise wait for.
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 1
+    assert f"rank 1 failed ({cause}" in str(info.value)
+
+
+def _killed_rank() -> None:
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_spawn_names_a_killed_rank(no_leftovers) -> None:
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchError) as info:
+        launch.spawn(_killed_rank, 3, timeout=60, stream=False)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == 1
+    assert "killed by SIGKILL" in str(info.value)
+
+
+INTERRUPTED = """
+    import sys, time
+    from dtlib import launch
+    try:
+        launch.torchrun({hang!r}, nproc=2, timeout=300, stream=False)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    result = launch.torchrun({hello!r}, nproc=2, timeout=120, stream=False)
+    print("next launch ok", result.returncode, flush=True)
+"""
+
+HANG = """
+    import time
+    from dtlib import dist as ddist
+    ddist.init()
+    print("up", flush=True)
+    time.sleep(600)
+"""
+
+HELLO = """
+    import torch.distributed as dist
+    from dtlib import dist as ddist
+    ddist.init()
+    dist.barrier()
+"""
+
+
+def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers) -> None:
+    hang = _script(tmp_path, HANG, "hang.py")
+    driver = _script(tmp_path, INTERRUPTED.format(
+        hang=hang, hello=_script(tmp_path, HELLO, "hello.py")), "driver.py")
+    proc = subprocess.Popen([sys.executable, driver], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until both ranks run the hang script
+            workers = launched_processes("-u -m dtlib.worker " + hang)
+            if len(workers) == 2:
+                break
+            time.sleep(0.2)
+        assert len(workers) == 2, "the ranks never started"
+        time.sleep(2.0)  # let them import torch and reach the sleep
+        proc.send_signal(signal.SIGINT)  # what Jupyter's stop button sends the kernel
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted" in out
+    assert "next launch ok 0" in out
+    gone, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive, "an interrupted rank survived"

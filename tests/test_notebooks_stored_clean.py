@@ -1,0 +1,32 @@
+"""Notebooks are sources: stored without outputs, the book and nbval execute them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks() -> None:
+    assert NOTEBOOKS, "no notebook found in notebooks/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_has_no_outputs(path: Path) -> None:
+    nb = json.loads(path.read_text())
+    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+             and (c.get("outputs") or c.get("execution_count") is not None)]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before commit"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_only_tagged_cells_may_fail_and_chapter_has_one_title(path: Path) -> None:
+    nb = json.loads(path.read_text())
+    first = "".join(nb["cells"][0]["source"])
+    assert nb["cells"][0]["cell_type"] == "markdown" and first.startswith("# ")
+    h1 = [c for c in nb["cells"] if c["cell_type"] == "markdown"
+          and any(line.startswith("# ") for line in "".join(c["source"]).splitlines())]
+    assert len(h1) == 1, f"{path.name}: one H1 title per chapter"
