@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -141,9 +140,11 @@ class _Supervisor:
         for r in range(self.nproc):
             try:
                 with open(os.path.join(self.log_dir, f"rank{r}.pid")) as f:
-                    pids[r] = int(f.read().strip() or -1)
+                    pid = int(f.read().strip() or 0)
             except (OSError, ValueError):
-                pass
+                continue
+            if pid > 0:  # an empty file: the rank is still writing it
+                pids[r] = pid
         return pids
 
     def collect_stacks(self, wait_s: float = 2.0) -> dict[int, str]:
@@ -339,10 +340,12 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int,
         store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
         ddist.init(backend, store=store)
         value = fn(*args, **kwargs)
-        conn.send(("ok", value))
+        # Plain pickle copies tensors by value. Connection.send would use torch's
+        # shared-memory reduction, whose segment dies with this process.
+        conn.send_bytes(pickle.dumps(("ok", value)))
     except BaseException as exc:
         worker.record_exception(log_dir, rank, exc)
-        conn.send(("error", None))
+        conn.send_bytes(pickle.dumps(("error", None)))
         sys.stdout.flush()
         os._exit(1)
     finally:
@@ -399,7 +402,7 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
             failed = False
             for r, (recv, _) in enumerate(pipes):
                 if r not in values and recv.poll():
-                    status, value = recv.recv()
+                    status, value = pickle.loads(recv.recv_bytes())
                     failed |= status == "error"
                     if status == "ok":
                         values[r] = value

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -146,3 +143,12 @@ def test_torchrun_rejects_bad_arguments(tmp_path) -> None:
         launch.torchrun(tmp_path / "missing.py", nproc=2)
     with pytest.raises(ValueError, match="nproc"):
         launch.torchrun(_script(tmp_path, HELLO), nproc=-2)
+
+
+def _tensor_of_rank() -> torch.Tensor:
+    return torch.full((3,), float(dist.get_rank()))
+
+
+def test_spawn_returns_tensors_by_value() -> None:
+    values = launch.spawn(_tensor_of_rank, 2, stream=False)
+    assert [v.tolist() for v in values] == [[0.0] * 3, [1.0] * 3]
