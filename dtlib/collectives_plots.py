@@ -1,0 +1,290 @@
+"""Figures of Chapter 2: every rank's tensor before and after each collective, the ring
+step by step, and bus bandwidth against message size.
+
+The ``*_states`` functions run on the ranks (through :func:`dtlib.launch.spawn`) and
+return plain lists; the ``plot_*`` functions draw them in the notebook. matplotlib is
+imported only inside the plotting functions, so ranks never load it.
+
+Taught in: Chapter 2.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PRIMITIVES = ("broadcast", "reduce", "all_reduce", "gather", "scatter", "all_gather",
+              "reduce_scatter", "all_to_all", "send/recv", "barrier")
+
+
+def _values(rank: int, length: int) -> torch.Tensor:
+    # 100*rank + j: the hundreds digit says which rank a value came from; sums are
+    # >= 400
+    # on four ranks, so they cannot be mistaken for an original value.
+    return torch.arange(length, dtype=torch.int64) + 100 * rank
+
+
+def primitive_states() -> dict[str, tuple[list[int] | None, list[int] | None]]:
+    """On every rank: run each primitive once; return {name: (before, after)} lists.
+
+    ``None`` means the rank has no such buffer (gather's output off the root, ...).
+    For barrier, before/after are the arrival and departure times in milliseconds
+    (rank r arrives 100*r ms late on purpose).
+
+    Taught in: Chapter 2, "Every primitive".
+    """
+    from dtlib.collectives import all_gather_into, reduce_scatter_into
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+
+    t = _values(rank, 4)
+    before = t.tolist()
+    dist.broadcast(t, src=0)
+    out["broadcast"] = (before, t.tolist())
+
+    t = _values(rank, 4)
+    dist.reduce(t, dst=0)  # every rank calls it; only the root's result is defined
+    out["reduce"] = (before, t.tolist() if rank == 0 else None)
+
+    t = _values(rank, 4)
+    dist.all_reduce(t)
+    out["all_reduce"] = (before, t.tolist())
+
+    t = _values(rank, 4)
+    parts = [torch.empty_like(t) for _ in range(n)] if rank == 0 else None
+    dist.gather(t, gather_list=parts, dst=0)  # non-roots pass gather_list=None
+    out["gather"] = (before, torch.cat(parts).tolist() if parts else None)
+
+    full = _values(rank, 4 * n)
+    chunks = list(full.chunk(n)) if rank == 0 else None
+    t = torch.zeros(4, dtype=torch.int64)
+    dist.scatter(t, scatter_list=chunks, src=0)
+    out["scatter"] = (full.tolist() if rank == 0 else None, t.tolist())
+
+    t = _values(rank, 4)
+    g = torch.empty(4 * n, dtype=torch.int64)
+    all_gather_into(g, t)
+    out["all_gather"] = (before, g.tolist())
+
+    t = torch.empty(4, dtype=torch.int64)
+    reduce_scatter_into(t, full)
+    out["reduce_scatter"] = (full.tolist(), t.tolist())
+
+    src = _values(rank, n)
+    dst = torch.empty(n, dtype=torch.int64)
+    dist.all_to_all_single(dst, src)  # element j goes to rank j
+    out["all_to_all"] = (src.tolist(), dst.tolist())
+
+    t = _values(rank, 4)
+    if rank % 2 == 0 and rank + 1 < n:
+        dist.send(t, dst=rank + 1)  # even ranks send to their right neighbour
+    elif rank % 2 == 1:
+        dist.recv(t, src=rank - 1)
+    out["send/recv"] = (before, t.tolist())
+
+    dist.barrier()
+    t0 = torch.tensor([time.time()], dtype=torch.float64)
+    dist.broadcast(t0, src=0)  # one clock origin for everybody
+    time.sleep(0.1 * rank)
+    arrive = time.time()
+    dist.barrier()
+    leave = time.time()
+    out["barrier"] = ([round(1e3 * (arrive - t0.item()))],
+                      [round(1e3 * (leave - t0.item()))])
+    return out
+
+
+def _draw_rows(ax: Any, rows: list[list[int] | None], title: str, timing: bool,
+               width: int) -> None:
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    for rank, row in enumerate(rows):
+        y = len(rows) - 1 - rank
+        if row is None:
+            ax.text(0, y, "(no buffer)", va="center", ha="left", color="0.5",
+                    fontsize=8)
+            continue
+        for j, v in enumerate(row):
+            color = "0.85" if timing or v >= 100 * len(rows) else cmap(v // 100)
+            ax.add_patch(plt.Rectangle((j - 0.5, y - 0.4), 1, 0.8, color=color,
+                                       alpha=0.6 if not timing else 1.0))
+            ax.text(j, y, f"{v}" + (" ms" if timing else ""), ha="center",
+                    va="center", fontsize=7)
+    ax.set_xlim(-0.6, width - 0.4)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in reversed(range(len(rows)))])
+    ax.set_xticks([])
+    ax.set_xlabel("element (colour: the rank it came from; grey: a sum)"
+                  if not timing else "time since a common origin")
+    ax.set_title(title)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+
+
+_FINDINGS = {
+    "broadcast": "broadcast: rank 0's tensor is copied to every rank",
+    "reduce": "reduce: only the root (rank 0) receives the sum",
+    "all_reduce": "all_reduce: every rank receives the sum",
+    "gather": "gather: the root receives every rank's tensor, in rank order",
+    "scatter": "scatter: the root's tensor is cut in n pieces, one per rank",
+    "all_gather": "all_gather: every rank receives every rank's tensor",
+    "reduce_scatter": "reduce_scatter: rank k receives the sum of piece k only",
+    "all_to_all": "all_to_all: element j of rank i goes to position i of rank j",
+    "send/recv": "send/recv: even ranks send, odd ranks receive; nobody else changes",
+    "barrier": "barrier: ranks arrive at different times and all leave together",
+}
+
+
+def plot_primitive(states: list[dict], name: str) -> Any:
+    """Draw every rank's buffer before and after primitive ``name``.
+
+    Args:
+        states: what :func:`primitive_states` returned on each rank (spawn's list).
+        name: one of :data:`PRIMITIVES`.
+    Returns:
+        The matplotlib figure.
+
+    Taught in: Chapter 2, "Every primitive".
+    """
+    import matplotlib.pyplot as plt
+
+    if name not in PRIMITIVES:
+        raise ValueError(f"name={name!r} is not a primitive; allowed: {PRIMITIVES}")
+    timing = name == "barrier"
+    before = [s[name][0] for s in states]
+    after = [s[name][1] for s in states]
+    width = max(len(r) for r in before + after if r)
+    fig, axes = plt.subplots(1, 2, figsize=(min(14, 3 + 1.1 * width), 0.5 * len(states)
+                                            + 1.4), sharey=True)
+    _draw_rows(axes[0], before, "before", timing, width)
+    _draw_rows(axes[1], after, "after", timing, width)
+    fig.suptitle(_FINDINGS[name])
+    fig.tight_layout()
+    return fig
+
+
+def training_step_comms() -> dict[str, Any]:
+    """On every rank: what one DDP step and one FSDP2 step of the MLP communicate.
+
+    Returns:
+        ``{"param_bytes", "ddp": summary, "fsdp2": summary}`` where each summary is
+        :meth:`dtlib.accounting.CommLog.summary` of one forward+backward.
+
+    Taught in: Chapter 2, "Counting communication".
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dtlib.accounting import count_comms, ddp_comm_hook_accounting
+    from dtlib.models import MLP
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    ddp = DDP(MLP((16, 64, 64, 8)))
+    ddp_comm_hook_accounting(ddp)
+    with count_comms() as ddp_log:
+        ddp(x).square().mean().backward()
+    model = MLP((16, 64, 64, 8))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    with count_comms() as fsdp_log:
+        model(x).square().mean().backward()
+    return {"param_bytes": param_bytes, "ddp": ddp_log.summary(),
+            "fsdp2": fsdp_log.summary(),
+            "sources": sorted({r.source for r in ddp_log.records + fsdp_log.records})}
+
+
+def ring_trace_states(numel_per_chunk: int = 1) -> list[list[int]]:
+    """On every rank: snapshots of a ring all-reduce of ``10**rank`` values.
+
+    Each element's decimal digits then say which ranks' contributions it holds (digit
+    r set = rank r added in): 1011 = ranks 0, 1 and 3.
+
+    Taught in: Chapter 2, "Ring all-reduce".
+    """
+    from dtlib.collectives import ring_all_reduce_trace
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = torch.full((n * numel_per_chunk,), 10 ** rank, dtype=torch.int64)
+    return [s.tolist() for s in ring_all_reduce_trace(t)]
+
+
+def plot_ring_trace(traces: list[list[list[int]]]) -> Any:
+    """One panel per step: rows are ranks, columns chunks, changed cells highlighted."""
+    import matplotlib.pyplot as plt
+
+    n = len(traces)
+    steps = len(traces[0])
+    fig, axes = plt.subplots(1, steps, figsize=(2.0 * steps, 0.45 * n + 1.6),
+                             sharey=True)
+    full = int("1" * n)
+    for k, ax in enumerate(axes):
+        for rank in range(n):
+            row = traces[rank][k]
+            y = n - 1 - rank
+            for j, v in enumerate(row):
+                changed = k > 0 and v != traces[rank][k - 1][j]
+                color = ("tab:green" if v == full else
+                         "tab:orange" if changed else "0.9")
+                ax.add_patch(plt.Rectangle((j - 0.48, y - 0.4), 0.96, 0.8, color=color,
+                                           alpha=0.7))
+                ax.text(j, y, f"{v:0{n}d}"[::-1], ha="center", va="center",
+                        fontsize=6)
+        ax.set_xlim(-0.6, len(traces[0][0]) - 0.4)
+        ax.set_ylim(-0.6, n - 0.4)
+        ax.set_xticks(range(len(traces[0][0])), [f"c{j}" for j in range(len(row))])
+        ax.set_yticks(range(n), [f"rank {r}" for r in reversed(range(n))])
+        phase = "start" if k == 0 else ("reduce-scatter" if k < n else "all-gather")
+        ax.set_title(f"{phase}\nstep {k}" if k else phase, fontsize=9)
+    fig.suptitle("Ring all-reduce: after n-1 steps each rank owns one full chunk "
+                 "(green); n-1 more spread them (digit r = rank r's contribution)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_busbw(records: list[dict], op: str = "all_reduce",
+               fits: list[dict] | None = None) -> Any:
+    """Bus bandwidth against message size, torch vs ring, with the fitted model."""
+    import matplotlib.pyplot as plt
+
+    from dtlib import comm_cost
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl, marker in (("torch", "o"), ("ring", "s")):
+        rs = sorted((r for r in records if r.get("op") == op and r.get("impl") == impl),
+                    key=lambda r: r["bytes"])
+        if not rs:
+            continue
+        line, = ax.plot([r["bytes"] for r in rs], [r["busbw_GBps"] for r in rs],
+                        marker=marker, label=f"{impl} (measured)")
+        fit = next((f for f in fits or [] if f["op"] == f"{op}_fit"
+                    and f["impl"] == impl), None)
+        if fit is not None:
+            n = rs[0]["world_size"]
+            alpha, beta = fit["alpha_us"] * 1e-6, 1e-9 / fit["link_GBps"]
+            octaves = math.log2(rs[-1]["bytes"] / rs[0]["bytes"])
+            xs = [rs[0]["bytes"] * 2 ** (i / 4) for i in range(int(4 * octaves) + 1)]
+            model = [x / comm_cost.collective_time("ring", op, x, n, alpha, beta) / 1e9
+                     * comm_cost.bus_bandwidth_factor(op, n) for x in xs]
+            ax.plot(xs, model, "--", color=line.get_color(),
+                    label=f"{impl}: alpha-beta fit")
+            ax.axvline(fit["crossover_bytes"], color=line.get_color(), lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{op}: latency dominates small messages, bandwidth large ones "
+                 "(dotted: crossover)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,165 @@
+"""The alpha-beta(-gamma) cost model of collectives, and nccl-tests' bus bandwidth.
+
+A message of N bytes between two ranks costs ``alpha + N * beta``: alpha is the
+latency (seconds per message), beta the inverse bandwidth (seconds per byte); gamma is
+the time to reduce one byte. Thakur, Rabenseifner and Gropp (2005) give, for n ranks:
+
+=====================  ============================  =====================  ===========
+algorithm              alpha term                    beta term              gamma term
+=====================  ============================  =====================  ===========
+ring reduce-scatter    (n-1)                         (n-1)/n N              (n-1)/n N
+ring all-gather        (n-1)                         (n-1)/n N              0
+ring all-reduce        2(n-1)                        2(n-1)/n N             (n-1)/n N
+tree broadcast         ceil(log2 n)                  ceil(log2 n) N         0
+naive all-reduce       2(n-1)                        2(n-1) N               (n-1) N
+=====================  ============================  =====================  ===========
+
+N is the message size as nccl-tests defines it: the all-reduced tensor, the gathered
+(output) tensor of an all-gather, the unreduced (input) tensor of a reduce-scatter.
+
+Taught in: Chapter 2, "The cost model".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+#: (alpha coefficient, beta coefficient, gamma coefficient) as functions of n.
+_TERMS = {
+    ("ring", "reduce_scatter"): lambda n: (n - 1, (n - 1) / n, (n - 1) / n),
+    ("ring", "all_gather"): lambda n: (n - 1, (n - 1) / n, 0.0),
+    ("ring", "all_reduce"): lambda n: (2 * (n - 1), 2 * (n - 1) / n, (n - 1) / n),
+    ("tree", "broadcast"): lambda n: (math.ceil(math.log2(n)) if n > 1 else 0,
+                                      math.ceil(math.log2(n)) if n > 1 else 0, 0.0),
+    ("naive", "all_reduce"): lambda n: (2 * (n - 1), 2 * (n - 1), n - 1),
+}
+
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def _check_n(world_size: int) -> None:
+    if (not isinstance(world_size, int) or isinstance(world_size, bool)
+            or world_size < 1):
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+
+
+def cost_terms(algorithm: str, op: str, world_size: int) -> tuple[float, float, float]:
+    """Coefficients (a, b, c) such that time = a*alpha + b*N*beta + c*N*gamma.
+
+    Args:
+        algorithm: "ring", "tree" or "naive".
+        op: "all_reduce", "reduce_scatter", "all_gather" or "broadcast".
+        world_size: n.
+    Returns:
+        The three coefficients from the table in the module docstring.
+
+    Taught in: Chapter 2, "The cost model".
+    """
+    _check_n(world_size)
+    if (algorithm, op) not in _TERMS:
+        raise ValueError(f"algorithm={algorithm!r}, op={op!r} is not modelled; "
+                         "allowed: "
+                         f"{sorted(_TERMS)}")
+    a, b, c = _TERMS[(algorithm, op)](world_size)
+    return float(a), float(b), float(c)
+
+
+def collective_time(algorithm: str, op: str, nbytes: float, world_size: int,
+                    alpha: float, beta: float, gamma: float = 0.0) -> float:
+    """Predicted seconds for one collective of ``nbytes`` (alpha-beta-gamma model).
+
+    Args:
+        algorithm, op, world_size: see :func:`cost_terms`.
+        nbytes: message size N in bytes (nccl-tests' definition).
+        alpha: seconds per message; beta: seconds per byte; gamma: seconds per byte
+            reduced.
+    Returns:
+        a*alpha + b*N*beta + c*N*gamma.
+
+    Taught in: Chapter 2, "The cost model".
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+    a, b, c = cost_terms(algorithm, op, world_size)
+    return a * alpha + b * nbytes * beta + c * nbytes * gamma
+
+
+def bus_bandwidth_factor(op: str, world_size: int) -> float:
+    """nccl-tests' factor from algorithm bandwidth (N / time) to bus bandwidth.
+
+    all_reduce 2(n-1)/n; reduce_scatter and all_gather (n-1)/n; broadcast and reduce 1.
+    Bus bandwidth is comparable with the link's speed whatever n is.
+
+    Taught in: Chapter 2, "The cost model".
+    """
+    _check_n(world_size)
+    if op not in _BUS_FACTOR:
+        raise ValueError(f"op={op!r} has no bus-bandwidth factor; allowed: "
+                         f"{sorted(_BUS_FACTOR)}")
+    return float(_BUS_FACTOR[op](world_size))
+
+
+def bytes_sent_per_rank(op: str, nbytes: float, world_size: int,
+                        algorithm: str = "ring") -> float:
+    """Bytes one rank sends (the beta coefficient times N; for "naive", rank 0's).
+
+    Taught in: Chapter 2, exercise ch2-ex-bytes.
+    """
+    _, b, _ = cost_terms(algorithm, op, world_size)
+    if algorithm == "naive":
+        return (world_size - 1) * nbytes  # the root sends n-1 whole tensors back
+    if algorithm == "tree":
+        return nbytes  # an inner node forwards once per round; any rank at most log n
+    return b * nbytes
+
+
+def fit_alpha_beta(nbytes: Sequence[float], times: Sequence[float], op: str,
+                   world_size: int, algorithm: str = "ring") -> tuple[float, float]:
+    """Least-squares alpha and beta from measured times (gamma folded into beta).
+
+    Fits time = a*alpha + b*N*beta with a, b from :func:`cost_terms`, i.e. a straight
+    line time = intercept + slope*N, weighting each point by 1/time so small messages
+    (where alpha shows) count as much as large ones.
+
+    Returns:
+        (alpha in seconds, beta in seconds per byte), each clipped at 0.
+
+    Taught in: Chapter 2, "The cost model against measurement".
+    """
+    if len(nbytes) != len(times) or len(nbytes) < 2:
+        raise ValueError(f"need >= 2 (nbytes, time) pairs of equal length, got "
+                         f"{len(nbytes)} and {len(times)}")
+    a, b, _ = cost_terms(algorithm, op, world_size)
+    if a == 0 or b == 0:
+        raise ValueError(f"world_size={world_size}: nothing is communicated, no fit")
+    w = [1.0 / t for t in times]  # relative error: fit log-spread points evenly
+    sw = sum(wi * wi for wi in w)
+    sx = sum(wi * wi * x for wi, x in zip(w, nbytes))
+    sy = sum(wi * wi * y for wi, y in zip(w, times))
+    sxx = sum(wi * wi * x * x for wi, x in zip(w, nbytes))
+    sxy = sum(wi * wi * x * y for wi, x, y in zip(w, nbytes, times))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det
+    intercept = (sy - slope * sx) / sw
+    return max(intercept, 0.0) / a, max(slope, 0.0) / b
+
+
+def latency_bandwidth_crossover(op: str, world_size: int, alpha: float, beta: float,
+                                algorithm: str = "ring") -> float:
+    """Message size (bytes) at which the alpha term equals the beta term.
+
+    Below it latency dominates (busbw grows with size); above it bandwidth does.
+
+    Taught in: Chapter 2, "The cost model against measurement".
+    """
+    a, b, _ = cost_terms(algorithm, op, world_size)
+    if beta <= 0 or b == 0:
+        return math.inf
+    return a * alpha / (b * beta)
