@@ -1,0 +1,151 @@
+"""Checkers for Chapter 3, "Data parallel".
+
+How the learner's hook reaches the ranks: a function defined in a notebook cell cannot
+be imported by the processes :func:`dtlib.launch.spawn` starts (they do not run the
+notebook). So the checker sends the function's *source* (``inspect.getsource``; IPython
+keeps every cell's text) and each rank ``exec``s it in a fresh namespace holding ``torch``
+and ``dist``. The hook must therefore be self-contained: no names from other cells
+besides ``torch`` and ``dist``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from dtlib import launch
+from dtlib.exercises import WrongAnswer, passed
+
+MICRO_BATCH = 2
+BUCKET_CAP_MB = 0.02  # several buckets for the tiny GPT
+
+
+def _source_of(fn: Callable[..., Any]) -> tuple[str, str]:
+    if not callable(fn) or not hasattr(fn, "__name__"):
+        raise WrongAnswer(f"expected a function, got {type(fn).__name__}")
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        raise WrongAnswer(f"cannot read the source of {fn.__name__}: define it with "
+                          "`def` in a notebook cell or a file") from None
+    return source, fn.__name__
+
+
+def _run_hook(source: str, name: str) -> Any:
+    """On each rank: torch DDP on the tiny GPT with the learner's comm hook, one step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dtlib.accounting import count_comms
+    from dtlib.ddp_compare import TINY, grads_of
+    from dtlib.models import build_gpt, token_batch
+
+    namespace: dict[str, Any] = {"torch": torch, "dist": dist}
+    exec(compile(source, f"<your {name}>", "exec"), namespace)
+    learner_hook = namespace[name]
+    buckets = []
+
+    # No annotations: DDP rejects a hook whose annotations are not GradBucket/Future.
+    def counting_hook(state, bucket):  # noqa: ANN001, ANN202
+        buckets.append(bucket.buffer().numel())
+        return learner_hook(state, bucket)
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(build_gpt(TINY), bucket_cap_mb=BUCKET_CAP_MB)
+    model.register_comm_hook(None, counting_hook)
+    idx, targets = token_batch(TINY, world_size * MICRO_BATCH, seed=0)
+    rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+    local = build_gpt(TINY)
+    local(idx[rows], targets[rows])[1].backward()
+    with count_comms(functional=False) as log:
+        model(idx[rows], targets[rows])[1].backward()
+    return ({"grads": grads_of(model.module), "local": grads_of(local),
+                     "calls": log.calls("all_reduce"), "buckets": len(buckets)})
+
+
+def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for _, g in sorted(grads.items())])
+
+
+def check_bucket_hook(hook: Callable[..., Any], world_size: int = 2) -> None:
+    """Check a DDP comm hook ``hook(process_group, bucket) -> Future[Tensor]``.
+
+    It runs as torch DDP's gradient hook on ``world_size`` real ranks; the gradients
+    must equal one process's on the whole batch, with one all-reduce per bucket.
+    """
+    from dtlib.ddp_compare import TINY, reference_training
+
+    source, name = _source_of(hook)
+    try:
+        results = launch.spawn(_run_hook, world_size, source, name, stream=False,
+                               timeout=60)
+    except launch.LaunchError as exc:
+        raise WrongAnswer(f"your hook failed on a rank:\n{exc}\nHint: return a "
+                          "torch.futures.Future whose value is the bucket's tensor, e.g. "
+                          "dist.all_reduce(..., async_op=True).get_future().then(...)"
+                          ) from None
+    truth = _flat(reference_training(TINY, world_size * MICRO_BATCH, 1)["grads"])
+    for rank, res in enumerate(results):
+        got, local = _flat(res["grads"]), _flat(res["local"])
+        if res["calls"] != res["buckets"]:
+            raise WrongAnswer(
+                f"rank {rank}: {res['calls']} all-reduce calls for {res['buckets']} "
+                "buckets. Hint: one dist.all_reduce of bucket.buffer() per hook call.")
+        if torch.allclose(got, truth * world_size, rtol=1e-4, atol=1e-7):
+            raise WrongAnswer("the gradients are world_size times too large: the "
+                              "all-reduce sums. Hint: divide the buffer by "
+                              "dist.get_world_size(group) (before or after).")
+        if torch.allclose(got, local, rtol=1e-5, atol=1e-8):
+            raise WrongAnswer("each rank kept its own gradient: the bucket was not "
+                              "all-reduced, or the future does not return the reduced "
+                              "buffer.")
+        if not torch.allclose(got, truth, rtol=1e-4, atol=1e-7):
+            err = (got - truth).abs().max().item()
+            raise WrongAnswer(f"rank {rank}: gradients differ from one process's by up "
+                              f"to {err:.3g}. Hint: the future's value must be the "
+                              "averaged bucket.buffer().")
+    passed(f"your hook averaged each of {results[0]['buckets']} bucket(s) with one "
+           f"all-reduce; the gradients equal one process's on {world_size} ranks")
+
+
+def check_epoch_orders(epoch_orders: Callable[[int, int, int, int], list[list[int]]]
+                       ) -> None:
+    """Check ``epoch_orders(dataset_len, world_size, rank, epochs)``: the indices a
+    rank's DistributedSampler (shuffle=True, seed=0) yields in each epoch, for a
+    correct training loop."""
+    from dtlib import sampling
+
+    dataset_len, world_size, epochs = 12, 2, 3
+    answers = []
+    for rank in range(world_size):
+        got = epoch_orders(dataset_len, world_size, rank, epochs)
+        try:
+            got = [list(map(int, order)) for order in got]
+        except TypeError:
+            raise WrongAnswer("return a list (one per epoch) of lists of indices") \
+                from None
+        if len(got) != epochs:
+            raise WrongAnswer(f"rank {rank}: {len(got)} epochs returned, expected {epochs}")
+        if all(order == got[0] for order in got):
+            raise WrongAnswer(
+                f"rank {rank} reads the same order every epoch: {got[0]}. "
+                "DistributedSampler shuffles with the generator seed + epoch, and its "
+                "epoch stays 0 unless you call sampler.set_epoch(epoch) at the start "
+                "of every epoch.")
+        answers.append(got)
+    for epoch in range(epochs):
+        seen = [i for rank in range(world_size) for i in answers[rank][epoch]]
+        if sorted(seen) != list(range(dataset_len)):
+            raise WrongAnswer(
+                f"epoch {epoch}: the ranks together read {sorted(seen)}, not every "
+                "sample once. Hint: pass num_replicas=world_size and rank=rank.")
+    expected = [sampling.epoch_orders(dataset_len, world_size, r, epochs)
+                for r in range(world_size)]
+    if answers != expected:
+        raise WrongAnswer("the orders change each epoch but are not DistributedSampler's "
+                          "(shuffle=True, seed=0, set_epoch(epoch)). Hint: create one "
+                          "sampler and call set_epoch(epoch) before each pass.")
+    passed("a new order every epoch, every sample once per epoch across the ranks")
