@@ -1,0 +1,115 @@
+"""Checkers for Chapter 4, "ZeRO and FSDP"."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dtlib.exercises import WrongAnswer, passed
+
+BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
+
+
+def _adamw(p, g, m, v, step, lr, bias_correction=True, decay=True):
+    b1, b2 = BETAS
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    t = step + 1
+    mh, vh = (m / (1 - b1 ** t), v / (1 - b2 ** t)) if bias_correction else (m, v)
+    if decay:
+        p = p * (1 - lr * WEIGHT_DECAY)
+    return p - lr * mh / (vh.sqrt() + EPS)
+
+
+def _case(world_size: int, numel: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    padded = -(-numel // world_size) * world_size
+    params = torch.zeros(padded)
+    params[:numel] = torch.randn(numel, generator=gen)
+    grads = []
+    for _ in range(world_size):
+        g = torch.zeros(padded)
+        g[:numel] = torch.randn(numel, generator=gen)
+        grads.append(g)
+    shard = padded // world_size
+    m = torch.randn(shard, generator=gen) * 0.1
+    v = torch.rand(shard, generator=gen) * 0.1
+    return params, grads, m, v
+
+
+def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
+    """Check ``fn(params, grads, rank, exp_avg, exp_avg_sq, step, lr)``.
+
+    ``params``: the padded flat parameters (every rank holds them all in ZeRO-1);
+    ``grads``: one padded flat gradient per rank (``len(grads)`` is the world size);
+    ``exp_avg``/``exp_avg_sq``: AdamW's moments *of this rank's shard only*;
+    ``step``: steps taken so far. ``fn`` returns this rank's updated shard after one
+    AdamW step (betas (0.9, 0.999), eps 1e-8, weight_decay 0.01) on the averaged
+    gradient, which is what the reduce-scatter delivers.
+    """
+    for world_size, numel, step in ((4, 37, 3), (2, 10, 0), (3, 30, 7)):
+        lr = 1e-2
+        for rank in range(world_size):
+            params, grads, m, v = _case(world_size, numel, 10 * world_size + rank)
+            shard = params.numel() // world_size
+            lo, hi = rank * shard, (rank + 1) * shard
+            mean = torch.stack(grads).mean(0)
+            want = _adamw(params[lo:hi], mean[lo:hi], m, v, step, lr)
+            got = fn(params.clone(), [g.clone() for g in grads], rank, m.clone(),
+                     v.clone(), step, lr)
+            where = f"world_size={world_size}, rank={rank}, {numel} parameters"
+            if not torch.is_tensor(got) or got.shape != want.shape:
+                shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
+                raise WrongAnswer(
+                    f"{where}: expected a tensor of shape {tuple(want.shape)} "
+                    f"(the shard: padded size / world_size), got {shape}")
+            if torch.allclose(got, want, atol=1e-6, rtol=1e-5):
+                continue
+            hints = [
+                (_adamw(params[lo:hi], mean[lo:hi] * world_size, m, v, step, lr),
+                 "you used the summed gradient: the reduce-scatter sums, divide by "
+                 "the world size"),
+                (_adamw(params[lo:hi], grads[rank][lo:hi], m, v, step, lr),
+                 "you used this rank's local gradient: average over all ranks first"),
+                (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr,
+                        bias_correction=False),
+                 "bias correction is missing: divide m by 1 - beta1**t and v by "
+                 "1 - beta2**t with t = step + 1"),
+                (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr, decay=False),
+                 "weight decay is missing: AdamW multiplies p by "
+                 "1 - lr * weight_decay"),
+            ]
+            hint = next((h for alt, h in hints if torch.allclose(got, alt, atol=1e-6)),
+                        f"rank {rank} owns elements [{lo}, {hi}) of the flat buffer")
+            raise WrongAnswer(f"{where}: wrong updated shard. Hint: {hint}")
+    passed("your ZeRO-1 shard step matches AdamW on the averaged gradient shard")
+
+
+def check_stage_memory(fn: Callable[[int, int, int], int]) -> None:
+    """Check ``fn(n_params, zero_stage, world_size)``: model-state bytes per device
+    for mixed-precision Adam (2 + 2 + 12 bytes per parameter, ZeRO paper K = 12),
+    sharded terms rounded up to whole parameters per rank."""
+    from dtlib.memory import model_state_bytes
+
+    for n, stage, world_size in ((7_500_000_000, 0, 64), (7_500_000_000, 1, 64),
+                                 (7_500_000_000, 2, 64), (7_500_000_000, 3, 64),
+                                 (1001, 3, 4), (7_000_000_000, 3, 8)):
+        want = model_state_bytes(n, zero_stage=stage, dp=world_size).total
+        got = fn(n, stage, world_size)
+        if got == want:
+            continue
+        shard = -(-n // world_size)
+        terms = {"parameters": 2 * n, "gradients": 2 * n, "optimizer states": 12 * n}
+        hint = ("stage 1 shards the 12 bytes of optimizer state, stage 2 also the 2 of "
+                "gradients, stage 3 also the 2 of parameters")
+        for name, full in terms.items():
+            per = full // n
+            if isinstance(got, (int, float)) and got in (want + full - per * shard,
+                                                         want - full + per * shard):
+                hint = f"the {name} term: is it sharded at stage {stage}?"
+        if isinstance(got, float) and got == n * 16 / world_size:
+            hint = "shard sizes round up: use ceil(n_params / world_size)"
+        raise WrongAnswer(f"n_params={n}, zero_stage={stage}, world_size={world_size}:"
+                          f" got {got!r}, expected {want}. Hint: {hint}")
+    passed("your per-device model-state bytes match the ZeRO paper for stages 0-3")

@@ -1,0 +1,284 @@
+"""Chapter 4: teaching ZeRO 1-3 and FSDP2 against single-process AdamW, memory and
+communication against the ZeRO paper's formulas, and the DeepSpeed config validator.
+
+Each world size is one launch (all implementations and both models run inside it), so
+the file stays at a few launches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtlib import launch
+from dtlib.bench.zero import ODD_MLP, TEST_GPT, reference_params, train_rank
+from dtlib.deepspeed_config import (consistent_world_sizes, deepspeed_config,
+                                    validate_deepspeed_config)
+from dtlib.flat_params import FlatLayout, assign_units, default_unit_modules
+from dtlib.memory import model_state_bytes
+from dtlib.models import MLP, GPTConfig, build_gpt, token_batch
+from dtlib.zero import ZeRO, zero_comm_elements
+
+#: fp32: after 5 AdamW steps (lr 1e-2, so parameters move up to ~5e-2) every parameter
+#: is within 1e-4 of single-process training; the difference is summation order only.
+ATOL_FP32 = 1e-4
+#: bf16 compute (FSDP2 MixedPrecisionPolicy): the distance to the fp32 reference is
+#: under 25% of the distance training moved the parameters.
+REL_BF16 = 0.25
+RUNS = [("zero", 1), ("zero", 2), ("zero", 3), ("fsdp2", 3)]
+MODELS = ("gpt", "mlp")
+
+
+def all_runs() -> dict:
+    """On every rank: each implementation on each model (+ FSDP2 bf16 on the GPT)."""
+    out = {}
+    for impl, stage in RUNS:
+        for model in MODELS:
+            out[impl, stage, model] = train_rank(impl, stage, model, steps=5)
+    out["bf16"] = train_rank("fsdp2", 3, "gpt", steps=5, bf16=True)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def runs(world_size: int) -> list[dict]:
+    return launch.spawn(all_runs, world_size, stream=False, timeout=600)
+
+
+def padded(model: str, world_size: int) -> int:
+    """Psi padded unit by unit, as dtlib.zero lays it out."""
+    net = build_gpt(GPTConfig(**TEST_GPT)) if model == "gpt" else MLP(ODD_MLP)
+    units = assign_units(net, default_unit_modules(net))
+    return sum(FlatLayout(ps, ns, world_size).padded_numel for _, ns, ps in units)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("impl,stage", RUNS)
+@pytest.mark.parametrize("model", MODELS)
+def test_matches_single_process_adamw(world_size, impl, stage, model):
+    per_rank = [r[impl, stage, model] for r in runs(world_size)]
+    for r in per_rank:
+        assert r["max_abs_err"] <= ATOL_FP32, r
+        assert r["rel_update_err"] <= 1e-2, r
+    if model == "mlp":
+        assert per_rank[0]["n_params"] % world_size != 0  # the padding path is used
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp2_bf16_params_fp32_reduce(world_size):
+    for rank in runs(world_size):
+        r = rank["bf16"]
+        assert r["rel_update_err"] <= REL_BF16, r
+        assert r["rel_update_err"] > 0  # bf16 really was used
+        ops = {s["op"]: s for s in r["comm_summary"]}
+        # bf16 all-gathers (2 bytes/element, 2 Psi elements), fp32 reduce-scatter
+        assert ops["all_gather"]["bytes"] == 2 * 2 * r["n_params"]
+        assert ops["reduce_scatter"]["bytes"] == 4 * r["n_params"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("impl,stage", RUNS)
+def test_state_bytes_match_formula(world_size, impl, stage):
+    for r in runs(world_size):
+        got = r[impl, stage, "gpt"]["state"]["total"]
+        want = model_state_bytes(r[impl, stage, "gpt"]["n_params"], zero_stage=stage,
+                                 dp=world_size, precision="fp32").total
+        assert abs(got - want) <= 0.01 * want, (got, want)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_bytes_exact_with_padding(world_size, stage):
+    pad = padded("mlp", world_size)
+    shard = pad // world_size
+    want = {1: (pad, pad, 2 * shard), 2: (pad, shard, 2 * shard),
+            3: (shard, shard, 2 * shard)}[stage]
+    for r in runs(world_size):
+        s = r["zero", stage, "mlp"]["state"]
+        assert (s["params"], s["grads"], s["optimizer"]) == tuple(4 * n for n in want)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("impl,stage", RUNS)
+@pytest.mark.parametrize("model", MODELS)
+def test_comm_per_step(world_size, impl, stage, model):
+    factor = 2 if stage < 3 else 3
+    for r in runs(world_size):
+        rec = r[impl, stage, model]
+        psi, got = rec["n_params"], rec["comm_elements"]
+        if impl == "zero":
+            # 2 or 3 Psi of the padded buffers, + 2 for the clip's scalar all-reduce
+            assert factor * psi <= got <= factor * padded(model, world_size) + 2, got
+        elif model == "gpt":  # FSDP2 pads per parameter (dim 0); the GPT needs none
+            assert abs(got - factor * psi) <= 0.01 * factor * psi, got
+
+
+def test_zero_comm_elements_convention():
+    class R:
+        def __init__(self, op, numel):
+            self.op, self.numel = op, numel
+
+    recs = [R("all_reduce", 10), R("reduce_scatter", 10), R("all_gather", 10),
+            R("broadcast", 10)]
+    assert zero_comm_elements(recs) == 40
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_single_rank_with_accumulation(stage):
+    """A world of one (no process group): two micro-batches per step, stage hooks and
+    bucket flushing included, equal plain AdamW on the concatenated batch."""
+    cfg = GPTConfig(**TEST_GPT)
+    x, y = token_batch(cfg, 4, seed=1)
+    ref = build_gpt(cfg, 0)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    z = ZeRO(build_gpt(cfg, 0), stage, lr=1e-2)
+    for _ in range(3):
+        F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            (F.cross_entropy(z(xs).flatten(0, 1), ys.flatten()) / 2).backward()
+        z.clip_grad_norm_(0.5)
+        z.step()
+        z.zero_grad()
+    got = z.full_parameters()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=ATOL_FP32, rtol=0)
+
+
+def test_reference_moves():
+    net = build_gpt(GPTConfig(**TEST_GPT))
+    init = {n: p.detach() for n, p in net.named_parameters()}
+    ref = reference_params("gpt", steps=5)
+    assert max(float((ref[n] - init[n]).abs().max()) for n in init) > 10 * ATOL_FP32
+
+
+def test_flat_layout_pads_and_views():
+    net = MLP(ODD_MLP)
+    ps = list(net.parameters())
+    lay = FlatLayout(ps, [str(i) for i in range(len(ps))], 4)
+    got = (lay.numel, lay.padded_numel, lay.shard_numel, lay.padding)
+    assert got == (111, 112, 28, 1)
+    flat = lay.flatten([p.detach() for p in ps])
+    assert flat[-1] == 0
+    for v, p in zip(lay.views(flat), ps):
+        assert v.data_ptr() >= flat.data_ptr() and torch.equal(v, p.detach())
+    assert lay.shard_range(3) == (84, 112)
+    with pytest.raises(ValueError, match="rank=4"):
+        lay.shard_range(4)
+
+
+def test_tied_weights_go_to_root_unit():
+    net = build_gpt(GPTConfig(**TEST_GPT))
+    units = assign_units(net, default_unit_modules(net))
+    assert units[0][0] is net and "tok_emb.weight" in units[0][1]
+    assert len(units) == 1 + TEST_GPT["n_layers"]
+    assert sum(len(ps) for _, _, ps in units) == len(list(net.parameters()))
+
+
+def test_zero_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="stage=4"):
+        ZeRO(MLP(), 4)
+    with pytest.raises(ValueError, match="optimizer='lamb'"):
+        ZeRO(MLP(), 1, optimizer="lamb")
+
+
+# ---- DeepSpeed config -------------------------------------------------------------
+
+SEED = {
+    "train_batch_size": 256, "gradient_accumulation_steps": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                          "offload_param": {"device": "cpu"}},
+    "fp16": {"enabled": True},
+}
+
+
+def test_seed_config_world_sizes():
+    assert consistent_world_sizes(SEED, 128) == [1, 2, 4, 8, 16, 32, 64]
+    check = validate_deepspeed_config(SEED, 8)
+    assert check.micro_batch == 8 and check.precision == "fp16"
+    assert any("bf16" in n for n in check.notes)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"train_micro_batch_size_per_gpu": 16}, r"256 != .* 16 x 4 x 8 = 512"),
+    ({"bf16": {"enabled": True}}, "both true"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "offload_param needs stage 3"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "offload_optimizer needs ZeRO stage 1, 2 or 3"),
+    ({"gradient_accumulation_step": 4}, "unknown key 'gradient_accumulation_step'.*"
+                                        "did you mean 'gradient_accumulation_steps'"),
+    ({"zero_optimization": {"stage": 3, "overlap_com": True}},
+     "unknown key zero_optimization.'overlap_com'"),
+])
+def test_validator_rejects(change, message):
+    bad = {**SEED, **change}
+    validate_deepspeed_config(SEED, 8)  # the seed itself is fine on 8 ranks
+    with pytest.raises(ValueError, match=message):
+        validate_deepspeed_config(bad, 8)
+
+
+def test_validator_rejects_world_size_without_integer_micro_batch():
+    with pytest.raises(ValueError, match="not divisible .* 4 x 3 = 12"):
+        validate_deepspeed_config(SEED, 3)
+
+
+def test_deepspeed_config_builds_consistent():
+    cfg = deepspeed_config(micro_batch=4, accum_steps=2, world_size=8, zero_stage=3,
+                           offload_param=True)
+    assert cfg["train_batch_size"] == 64 and cfg["bf16"] == {"enabled": True}
+    assert validate_deepspeed_config(cfg, 8).zero_stage == 3
+    with pytest.raises(ValueError):
+        validate_deepspeed_config(cfg, 4)
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        deepspeed_config(micro_batch=4, zero_stage=2, offload_param=True)
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        deepspeed_config(micro_batch=4, precision="fp8")
+
+
+# ---- exercise checkers --------------------------------------------------------------
+
+def _shard_step(params, grads, rank, m, v, step, lr, scale=None):
+    world_size = len(grads)
+    shard = params.numel() // world_size
+    lo, hi = rank * shard, (rank + 1) * shard
+    g = torch.stack(grads).sum(0)[lo:hi] / (scale or world_size)
+    m = 0.9 * m + 0.1 * g
+    v = 0.999 * v + 0.001 * g * g
+    t = step + 1
+    p = params[lo:hi] * (1 - lr * 0.01)
+    return p - lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+
+
+def test_exercise_zero1_shard_step():
+    from dtlib.exercises import WrongAnswer
+    from dtlib.exercises.zero import check_zero1_shard_step
+
+    check_zero1_shard_step(_shard_step)
+    with pytest.raises(WrongAnswer, match="summed gradient"):
+        check_zero1_shard_step(functools.partial(_shard_step, scale=1))
+    with pytest.raises(WrongAnswer, match="shape"):
+        check_zero1_shard_step(lambda params, *a: params)
+
+
+def test_exercise_stage_memory():
+    from dtlib.exercises import WrongAnswer
+    from dtlib.exercises.zero import check_stage_memory
+
+    def right(n, stage, world_size):
+        shard = -(-n // world_size)
+        return (2 * (shard if stage >= 3 else n) + 2 * (shard if stage >= 2 else n)
+                + 12 * (shard if stage >= 1 else n))
+
+    def wrong(n, stage, world_size):  # forgets that stage 2 shards gradients
+        shard = -(-n // world_size)
+        return 2 * (shard if stage >= 3 else n) + 2 * n + 12 * (shard if stage else n)
+
+    check_stage_memory(right)
+    with pytest.raises(WrongAnswer, match="gradients term"):
+        check_stage_memory(wrong)
