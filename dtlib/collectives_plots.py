@@ -120,8 +120,6 @@ def _draw_rows(ax: Any, rows: list[list[int] | None], title: str, timing: bool,
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in reversed(range(len(rows)))])
     ax.set_xticks([])
-    ax.set_xlabel("element (colour: the rank it came from; grey: a sum)"
-                  if not timing else "time since a common origin")
     ax.set_title(title)
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
@@ -165,6 +163,9 @@ def plot_primitive(states: list[dict], name: str) -> Any:
     _draw_rows(axes[0], before, "before", timing, width)
     _draw_rows(axes[1], after, "after", timing, width)
     fig.suptitle(_FINDINGS[name])
+    # One label for both panels (two would collide under the narrow figures).
+    fig.supxlabel("time since a common origin" if timing else
+                  "element (colour: the rank it came from; grey: a sum)", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -41,13 +41,14 @@ def plot_timeline(events: Sequence[tuple[str, int, float]], title: str | None = 
         # Buckets in flight at the same time: three lanes so bars do not hide each other.
         ax.barh(1.25 - 0.25 * (i % 3), (end - start) * ms, left=start * ms, height=0.22,
                 color=f"C{2 + i % 6}", edgecolor="k",
-                label="one bucket's all-reduce" if i == 0 else None)
+                label="a bucket's all-reduce (launch to completion)" if i == 0 else None)
     ax.axvline(synced * ms, color="k", ls="--", lw=1, label="backward() returns")
     ax.set_yticks([1, 2], ["all-reduces", "compute"])
     ax.set_xlabel("time since forward started (ms)")
     early = sum(1 for i in launches if dones.get(i, synced) <= bwd1)
-    ax.set_title(title or f"Bucket all-reduces run during backward ({early} of "
-                 f"{len(launches)} done before backward ends)")
+    started = sum(1 for t in launches.values() if t <= bwd1)
+    ax.set_title(title or f"{started} of {len(launches)} bucket all-reduces start during "
+                 f"backward; {early} finish before it ends")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.subplots_adjust(left=0.12, right=0.72, bottom=0.18)
     return fig

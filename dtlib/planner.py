@@ -10,6 +10,8 @@ Taught in: Chapter 1, the planner.
 
 from __future__ import annotations
 
+import html
+import io
 from dataclasses import replace
 
 from dtlib.memory import GB, TrainingConfig, estimate
@@ -146,16 +148,31 @@ def planner(preset: str = "GPT-3 6.7B", device_gb: float = 80.0):
         sequence_parallel=w.Checkbox(value=False, description="sequence parallel"),
     )
 
-    def draw(preset, device_gb, **settings):
-        try:
-            cfg = preset_config(preset, **settings)
-        except ValueError as err:  # e.g. tp not dividing the heads: say so, no crash
-            print(f"invalid setting: {err}")
-            return
-        plot_memory(cfg, device_gb)
-        plt.show()
+    # The chart is an Image widget redrawn on every change, not an Output widget:
+    # headless executors (nbclient under the book build) can wait forever on an
+    # Output widget's captured messages, and an image needs no output capture.
+    image = w.Image(format="png")
+    message = w.HTML()
 
-    out = w.interactive_output(draw, c)
+    def redraw(_change: object = None) -> None:
+        settings = {k: v.value for k, v in c.items()}
+        preset_name, gb = settings.pop("preset"), settings.pop("device_gb")
+        try:
+            cfg = preset_config(preset_name, **settings)
+        except ValueError as err:  # e.g. tp not dividing the heads: say so, no crash
+            message.value = f"<b>invalid setting:</b> {html.escape(str(err))}"
+            return
+        message.value = ""
+        fig = plot_memory(cfg, gb)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        image.value = buf.getvalue()
+
+    for control in c.values():
+        control.observe(redraw, names="value")
+    redraw()
+    out = w.VBox([message, image])
     return w.VBox([w.HBox([c["preset"], c["device_gb"]]),
                    w.HBox([w.VBox([c[k] for k in ("seq_len", "micro_batch", "dp",
                                                   "tp", "pp", "zero_stage")]),

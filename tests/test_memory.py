@@ -269,6 +269,13 @@ def test_planner_builds_headless():
 
     fig = plot_memory(preset_config("GPT-3 6.7B", dp=8), device_gb=80)
     assert "fits 80 GB" in fig.axes[0].get_title()
-    assert len(PRESETS) >= 8 and planner() is not None
+    assert len(PRESETS) >= 8
+    widget = planner()
+    message, image = widget.children[-1].children
+    first = bytes(image.value)
+    assert first.startswith(b"\x89PNG") and message.value == ""
+    controls = widget.children[0].children
+    controls[0].value = "GPT-3 175B"  # a new preset redraws the chart
+    assert bytes(image.value) != first and bytes(image.value).startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="name"):
         preset_config("GPT-5")
