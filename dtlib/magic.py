@@ -57,6 +57,10 @@ class TorchrunMagics(Magics):
                                      label="cell line")
             # Kept for the next cell: outputs per rank and the launch's wall time.
             self.shell.user_ns["torchrun_result"] = result
+        except launch.LaunchError as exc:
+            # The reader knows the cell, not our temporary file: name it "<cell>".
+            exc.args = (str(exc).replace(f'File "{path}"', 'File "<cell>"'),)
+            raise
         finally:
             os.unlink(path)
 
