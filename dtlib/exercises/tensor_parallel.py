@@ -1,0 +1,118 @@
+"""Checkers for Chapter 5, "Tensor parallel"."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from dtlib import launch
+from dtlib.exercises import WrongAnswer, check_close, passed
+from dtlib.tensor_parallel import (copy_to_tp, full_linear, reduce_from_tp, tp_rank,
+                                   tp_size)
+from dtlib.tp_gpt import block_tp_numbers
+
+POSITIONS = ("before_column", "between", "after_row")
+CHOICES = ("none", "f", "g")
+_HIDDEN, _BATCH = 8, 3
+
+
+def _apply(op: str, x: torch.Tensor) -> torch.Tensor:
+    return {"none": lambda t: t, "f": copy_to_tp, "g": reduce_from_tp}[op](x)
+
+
+def _pair_with_ops(placement: dict[str, str]) -> dict[str, torch.Tensor]:
+    """On every rank: a column -> GELU -> row pair built from bare slices (no operator
+    inside the layers), with the learner's operators at the three positions."""
+    n, r = tp_size(), tp_rank()
+    fc, proj = full_linear(_HIDDEN, 4 * _HIDDEN, seed=1), full_linear(4 * _HIDDEN,
+                                                                      _HIDDEN, seed=2)
+    part = slice(r * 4 * _HIDDEN // n, (r + 1) * 4 * _HIDDEN // n)
+    x = torch.randn(_BATCH, _HIDDEN, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()
+    h = _apply(placement["before_column"], x)
+    h = F.gelu(F.linear(h, fc.weight[part], fc.bias[part]))  # (b, 4h/tp)
+    h = F.linear(_apply(placement["between"], h), proj.weight[:, part])  # partial sum
+    y = _apply(placement["after_row"], h) + proj.bias
+    y.pow(2).sum().backward()
+    return {"out": y.detach(), "grad": x.grad}
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    fc, proj = full_linear(_HIDDEN, 4 * _HIDDEN, seed=1), full_linear(4 * _HIDDEN,
+                                                                      _HIDDEN, seed=2)
+    x = torch.randn(_BATCH, _HIDDEN, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()
+    y = proj(F.gelu(fc(x)))
+    y.pow(2).sum().backward()
+    return {"out": y.detach(), "grad": x.grad}
+
+
+def check_f_g_placement(placement: dict[str, str], world_size: int = 2) -> None:
+    """Check where f and g go around a column -> row pair (MLP or attention).
+
+    ``placement`` maps each of :data:`POSITIONS` (before the column layer, between the
+    two layers, after the row layer) to one of :data:`CHOICES`. The checker builds the
+    pair with your operators on ``world_size`` real ranks and compares its output and
+    input gradient with one process.
+    """
+    if not isinstance(placement, dict) or set(placement) != set(POSITIONS):
+        raise WrongAnswer(f"placement must be a dict with exactly the keys "
+                          f"{POSITIONS}, got {placement!r}")
+    bad = {k: v for k, v in placement.items() if v not in CHOICES}
+    if bad:
+        raise WrongAnswer(f"{bad}: each position takes one of {CHOICES}")
+    ranks = launch.spawn(_pair_with_ops, world_size, placement, stream=False,
+                         timeout=60)
+    ref = _reference()
+    out_ok = all(torch.allclose(r["out"], ref["out"], rtol=1e-5, atol=1e-6)
+                 for r in ranks)
+    grad_ok = all(torch.allclose(r["grad"], ref["grad"], rtol=1e-5, atol=1e-6)
+                  for r in ranks)
+    if not out_ok:
+        raise WrongAnswer(
+            f"on {world_size} ranks the forward output differs from one process. Hint: "
+            "after the row layer each rank holds a partial sum over its slice of the "
+            "inner dimension; which operator sums in forward, and where must it sit? "
+            "(An operator that sums in forward anywhere else adds copies of the same "
+            "or unrelated tensors.)")
+    if not grad_ok:
+        raise WrongAnswer(
+            "the output is right but the gradient of the input differs from one "
+            "process. Hint: the input is replicated and every rank's column slice "
+            "uses it, so its gradient is the sum of the ranks' contributions; which "
+            "operator sums in backward only, and where does it go?")
+    f_at = [k for k, v in placement.items() if v == "f"]
+    g_at = [k for k, v in placement.items() if v == "g"]
+    passed(f"with f at {f_at} and g at {g_at}, output and input gradient on "
+           f"{world_size} ranks equal one process")
+
+
+def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
+                     cases: tuple[tuple[int, int, int, int], ...] = (
+                         (64, 4, 16, 2), (1024, 8, 512, 4), (12288, 1, 2048, 8))
+                     ) -> None:
+    """Check ``predict(h, b, s, tp)`` -> ``{"params_per_rank", "allreduce_bytes"}``.
+
+    For one transformer block of the book's GPT (qkv, proj, fc, fc_proj split; fp32):
+    the parameters one rank stores in those four layers, and the bytes it all-reduces
+    in one training step (forward + backward). The truth is
+    :func:`dtlib.tp_gpt.block_tp_numbers`, which the tests check against real ranks.
+    """
+    for h, b, s, tp in cases:
+        got = predict(h, b, s, tp)
+        truth = block_tp_numbers(h, b, s, tp)
+        if not isinstance(got, dict):
+            raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
+        where = f"h={h}, b={b}, s={s}, tp={tp}"
+        check_close(f"{where}: params_per_rank", got.get("params_per_rank"),
+                    truth["params_per_rank"], hint=(
+                        "each rank holds 1/tp of the weights (qkv 3h x h, proj h x h, "
+                        "fc 4h x h, fc_proj h x 4h) and of the column layers' biases "
+                        "(3h, 4h); the row layers' biases (h each) are replicated"))
+        check_close(f"{where}: allreduce_bytes", got.get("allreduce_bytes"),
+                    truth["allreduce_bytes"], hint=(
+                        "two column -> row pairs per block; each pair all-reduces one "
+                        "(b, s, h) fp32 tensor in forward (g) and one in backward (f)"))
+    passed(f"your formulas match the tensor-parallel block on {len(cases)} shapes")
