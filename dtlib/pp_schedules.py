@@ -1,0 +1,273 @@
+"""Pipeline parallelism, part 2: the schedules, GPipe and 1F1B, from scratch.
+
+A schedule is, for each stage, an ordered list of actions ``("F", i)`` (forward of
+micro-batch ``i``) and ``("B", i)`` (its backward). :func:`schedule_order` writes the
+lists; :func:`simulate` plays them on an ideal clock (so we can draw the textbook
+diagram and check the bubble formula); :func:`pipeline_step` runs them for real on the
+ranks of a process group, sending activations forward and their gradients back with
+point-to-point messages.
+
+- GPipe (Huang et al., 2019): every stage runs all ``m`` forwards, then all ``m``
+  backwards (in reverse). Stage s holds the activations of all ``m`` micro-batches.
+- 1F1B, PipeDream-Flush (Narayanan et al., 2021): stage s runs ``p - s - 1`` warm-up
+  forwards, then alternates one forward and one backward, then drains the backwards.
+  Same bubble, but stage s never holds more than ``p - s`` micro-batches.
+
+Both have the bubble fraction ``(p - 1) / (m + p - 1)`` of the step
+(:func:`bubble_fraction`).
+
+Taught in: Chapter 6, "GPipe" and "1F1B".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["SCHEDULES", "Event", "StepResult", "schedule_order", "bubble_fraction",
+           "simulate", "idle_fractions", "in_flight_peak", "pipeline_step"]
+
+SCHEDULES = ("gpipe", "1f1b")
+Action = tuple[str, int]
+
+
+def _check(n_stages: int, n_microbatches: int, stage: int | None = None) -> None:
+    for name, v in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if stage is not None and not 0 <= stage < n_stages:
+        raise ValueError(f"stage={stage!r} must be in 0..{n_stages - 1}")
+
+
+def schedule_order(schedule: str, stage: int, n_stages: int,
+                   n_microbatches: int) -> list[Action]:
+    """The actions stage ``stage`` runs, in order, under ``schedule``.
+
+    Args:
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        stage: this stage's index ``s`` (0 = first).
+        n_stages: pipeline depth ``p``.
+        n_microbatches: micro-batches per step ``m``.
+    Returns:
+        A list of ``("F", i)`` / ``("B", i)`` with every micro-batch once each.
+
+    Taught in: Chapter 6, "GPipe" and "1F1B".
+    """
+    _check(n_stages, n_microbatches, stage)
+    m = n_microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+    if schedule == "1f1b":
+        warmup = min(n_stages - stage - 1, m)
+        order: list[Action] = [("F", i) for i in range(warmup)]
+        for k in range(m - warmup):  # steady state: one forward, one backward
+            order += [("F", warmup + k), ("B", k)]
+        order += [("B", i) for i in range(m - warmup, m)]  # cool-down
+        return order
+    raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+
+
+def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
+    """Idle fraction of a GPipe or 1F1B step: ``(p - 1) / (m + p - 1)``.
+
+    Each stage is busy ``m (t_f + t_b)`` out of ``(m + p - 1)(t_f + t_b)``: it waits
+    ``p - 1`` slots while the pipeline fills and drains (Huang et al., 2019;
+    Narayanan et al., 2021).
+
+    Taught in: Chapter 6, "The bubble".
+    """
+    _check(n_stages, n_microbatches)
+    return (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action on one stage: ``kind`` "F" or "B", micro-batch ``mb``, seconds
+    ``start`` and ``end`` from the start of the step (ideal units in
+    :func:`simulate`)."""
+
+    stage: int
+    kind: str
+    mb: int
+    start: float
+    end: float
+
+
+def simulate(schedule: str, n_stages: int, n_microbatches: int, t_fwd: float = 1.0,
+             t_bwd: float = 2.0) -> list[Event]:
+    """Play ``schedule`` on an ideal clock: each forward takes ``t_fwd``, each backward
+    ``t_bwd``, messages are free, a stage starts an action as soon as its input exists.
+
+    Returns:
+        Every stage's events (a deadlocking order raises ``RuntimeError``).
+
+    Taught in: Chapter 6, "The bubble".
+    """
+    _check(n_stages, n_microbatches)
+    orders = [schedule_order(schedule, s, n_stages, n_microbatches)
+              for s in range(n_stages)]
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * n_stages
+    pos = [0] * n_stages
+    events: list[Event] = []
+    while any(pos[s] < len(orders[s]) for s in range(n_stages)):
+        progressed = False
+        for s in range(n_stages):
+            while pos[s] < len(orders[s]):
+                kind, i = orders[s][pos[s]]
+                if kind == "F":
+                    dep = (s - 1, "F", i) if s > 0 else None
+                else:
+                    dep = (s + 1, "B", i) if s < n_stages - 1 else (s, "F", i)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done[dep] if dep else 0.0)
+                end = start + (t_fwd if kind == "F" else t_bwd)
+                done[s, kind, i] = free[s] = end
+                events.append(Event(s, kind, i, start, end))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks at positions {pos}")
+    return events
+
+
+def idle_fractions(events: list[Event], n_stages: int) -> list[float]:
+    """Per stage: 1 - (time busy) / (step time), the step being first start to last end
+    over all stages. Taught in: Chapter 6, "The bubble"."""
+    t0 = min(e.start for e in events)
+    total = max(e.end for e in events) - t0
+    busy = [0.0] * n_stages
+    for e in events:
+        busy[e.stage] += e.end - e.start
+    return [1.0 - b / total for b in busy]
+
+
+def in_flight_peak(order: list[Action]) -> int:
+    """Most micro-batches whose forward has run and backward has not, along ``order``:
+    the number of micro-batches' activations the stage must keep at once.
+
+    Taught in: Chapter 6, "Activation memory"."""
+    live = peak = 0
+    for kind, _ in order:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@dataclass
+class StepResult:
+    """What :func:`pipeline_step` returns on each stage.
+
+    loss: the step's loss (mean over micro-batches), the same on every stage.
+    events: this stage's measured forward/backward intervals (seconds from a barrier).
+    peak_in_flight: most micro-batches held at once (forward done, backward not).
+    """
+
+    loss: float
+    events: list[Event] = field(default_factory=list)
+    peak_in_flight: int = 0
+
+
+def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
+                  targets: torch.Tensor | None, *, n_microbatches: int,
+                  act_shape: tuple[int, ...], loss_fn: Callable[..., torch.Tensor],
+                  schedule: str = "1f1b", group: dist.ProcessGroup | None = None,
+                  act_dtype: torch.dtype = torch.float32) -> StepResult:
+    """Run forward and backward of one batch through the pipeline; gradients accumulate
+    in ``stage_module``'s parameters (the caller zeroes them and steps the optimizer).
+
+    Each micro-batch's loss is divided by ``n_microbatches``, so the gradients are
+    those of the mean of the micro-batch losses: with equal micro-batches, the
+    full-batch mean loss. Sends are ``isend`` (never block), receives block: each
+    stage only waits for data its schedule needs next, so a valid order cannot
+    deadlock; all sends are waited for at the end.
+
+    Args:
+        stage_module: this rank's stage (stage index = rank in ``group``).
+        inputs: the whole batch's inputs on the first stage (else ignored).
+        targets: the whole batch's targets on the last stage (else ignored).
+        n_microbatches: ``m``; must divide the batch.
+        act_shape: shape of one micro-batch's activation between stages, e.g.
+            ``(micro_batch, seq, hidden)``: receivers allocate it in advance.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        group: the pipeline's process group (default: the whole world, or a lone
+            process when none is initialised).
+        act_dtype: dtype of the activations sent between stages.
+    Returns:
+        A :class:`StepResult`.
+
+    Taught in: Chapter 6, "GPipe" and "1F1B".
+    """
+    if dist.is_available() and dist.is_initialized():
+        rank, p = dist.get_rank(group), dist.get_world_size(group)
+    else:
+        rank, p = 0, 1
+    order = schedule_order(schedule, rank, p, n_microbatches)
+    m = n_microbatches
+    first, last = rank == 0, rank == p - 1
+    if act_shape[0] < 1:
+        raise ValueError(f"act_shape={act_shape!r}: micro-batch size must be >= 1")
+    batch = m * act_shape[0]
+    for name, t, needed in (("inputs", inputs, first), ("targets", targets, last)):
+        if needed and (t is None or t.shape[0] != batch):
+            got = None if t is None else t.shape[0]
+            raise ValueError(
+                f"{name} has batch {got}; n_microbatches={m} times micro-batch "
+                f"{act_shape[0]} needs {batch} (n_microbatches must divide the batch)")
+    x_mbs = inputs.chunk(m) if first else None
+    y_mbs = targets.chunk(m) if last else None
+
+    def peer(s: int) -> int:
+        return dist.get_global_rank(group, s) if group is not None else s
+
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    sends: list = []
+    events: list[Event] = []
+    live = peak = 0
+    total_loss = torch.zeros(())
+    if p > 1:
+        dist.barrier(group=group)
+    t0 = time.perf_counter()
+    for kind, i in order:
+        if kind == "F":
+            if first:
+                x = x_mbs[i]
+            else:
+                x = torch.empty(act_shape, dtype=act_dtype)
+                dist.recv(x, src=peer(rank - 1), group=group)
+                x.requires_grad_(True)
+            start = time.perf_counter() - t0
+            out = stage_module(x)
+            if last:
+                out = loss_fn(out, y_mbs[i]) / m
+                total_loss += out.detach()
+            events.append(Event(rank, "F", i, start, time.perf_counter() - t0))
+            if not last:
+                sends.append(dist.isend(out.detach(), dst=peer(rank + 1), group=group))
+            held[i] = (x, out)
+            live += 1
+            peak = max(peak, live)
+        else:
+            x, out = held.pop(i)
+            grad = None
+            if not last:
+                grad = torch.empty(act_shape, dtype=act_dtype)
+                dist.recv(grad, src=peer(rank + 1), group=group)
+            start = time.perf_counter() - t0
+            out.backward(grad)
+            events.append(Event(rank, "B", i, start, time.perf_counter() - t0))
+            if not first:
+                sends.append(dist.isend(x.grad, dst=peer(rank - 1), group=group))
+            live -= 1
+    for work in sends:
+        work.wait()
+    if p > 1:  # every stage reports the loss the last one computed
+        dist.broadcast(total_loss, src=peer(p - 1), group=group)
+    return StepResult(total_loss.item(), events, peak)
