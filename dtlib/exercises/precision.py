@@ -1,0 +1,62 @@
+"""Checkers for Chapter 7, "Mixed precision"."""
+
+from __future__ import annotations
+
+import torch
+
+from dtlib.exercises import WrongAnswer, check_close, passed
+from dtlib.loss_scaling import simulate_scale
+from dtlib.precision import format_info
+
+
+def check_format_constants(name: str, eps: float, smallest_subnormal: float) -> None:
+    """Check machine epsilon and the smallest positive (subnormal) value of ``name``.
+
+    The truth is derived from the format's bits (``dtlib.precision.format_info``).
+    """
+    info = format_info(name)
+    check_close(f"{name} eps", eps, info.eps,
+                hint=f"eps = 2**-(p - 1), p = mantissa bits + 1 = {info.precision}")
+    check_close(f"{name} smallest subnormal", smallest_subnormal,
+                info.smallest_subnormal,
+                hint="the smallest subnormal is 2**(1 - bias - mantissa_bits), with "
+                     f"bias = {info.bias} for {info.exponent_bits} exponent bits")
+    passed(f"{name}: eps = {info.eps!r}, "
+           f"smallest subnormal = {info.smallest_subnormal!r}")
+
+
+def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
+                               bf16_zero: list[bool]) -> None:
+    """Check which of ``values`` become exactly 0 when stored in fp16 and in bf16.
+
+    The truth is what torch does when it casts each value.
+    """
+    for dtype, guess in ((torch.float16, fp16_zero), (torch.bfloat16, bf16_zero)):
+        if len(guess) != len(values):
+            raise WrongAnswer(f"give one bool per value: {len(values)} values, "
+                              f"{len(guess)} predictions for {dtype}")
+        truth = (torch.tensor(values, dtype=torch.float64).to(dtype) == 0).tolist()
+        for v, g, t in zip(values, guess, truth):
+            if bool(g) != t:
+                raise WrongAnswer(
+                    f"{v!r} in {dtype}: you said {'0' if g else 'nonzero'}, torch "
+                    f"gives {'0' if t else 'nonzero'}. Hint: compare with the format's "
+                    "smallest subnormal (half of it rounds to even, i.e. to 0).")
+    passed("your underflow predictions match torch's casts")
+
+
+def check_scale_after(flags: list[bool], init_scale: float, growth_interval: int,
+                      final_scale: float, skipped: int) -> None:
+    """Check the scale after a sequence of steps (True = overflow) and the skip count.
+
+    Growth factor 2, backoff factor 0.5, as GradScaler's defaults.
+    """
+    truth = simulate_scale(flags, init_scale, 2.0, 0.5, growth_interval)[-1]
+    n_skip = sum(bool(f) for f in flags)
+    check_close("final scale", final_scale, truth,
+                hint="halve after each overflow (and restart counting clean steps); "
+                     f"double after every {growth_interval} clean steps in a row")
+    if skipped != n_skip:
+        raise WrongAnswer(f"skipped steps: got {skipped!r}, expected {n_skip}. Hint: "
+                          "exactly the steps whose gradients overflowed are skipped")
+    passed(f"scale {truth!r} after {len(flags)} steps, {n_skip} skipped")

@@ -1,0 +1,190 @@
+"""Chapter 7: formats, autocast op dtypes, loss scaling, mixed-precision training."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from dtlib import precision as P
+from dtlib.bench import matmul
+from dtlib.exercises import WrongAnswer
+from dtlib.exercises import precision as ex
+from dtlib.loss_scaling import (DynamicLossScaler, grad_scaler_available,
+                                scaler_trajectory, simulate_scale)
+from dtlib.mixed_precision import (ManualMixedPrecision, flushed_fraction,
+                                   state_bytes_per_param, train_losses)
+from dtlib.models import GPTConfig, build_gpt
+
+
+@pytest.mark.parametrize("row", P.format_table(), ids=lambda r: r["format"])
+def test_format_table_matches_finfo_and_formulas(row):
+    info = P.format_info(row["format"])
+    # Formulas from the definition, exact in binary.
+    p = info.mantissa_bits + 1
+    assert info.precision == p
+    assert info.eps == 2.0 ** -(p - 1)
+    assert info.smallest_normal == 2.0 ** (1 - info.bias)
+    assert info.smallest_subnormal == info.smallest_normal * info.eps
+    dtype = P.torch_dtype(row["format"])
+    if dtype is None:
+        assert row["format"] == "tf32" and row["source"] == "definition"
+        return
+    fi = torch.finfo(dtype)
+    assert (fi.eps, fi.smallest_normal, fi.max) == (info.eps, info.smallest_normal,
+                                                     info.largest)
+    assert P.subnormal_from_bits(dtype) == info.smallest_subnormal
+    assert fi.bits == 1 + info.exponent_bits + info.mantissa_bits  # sign + e + m
+
+
+def test_format_consequences():
+    one = P.round_trip([1 + 2 ** -11, 1 + 2 ** -10, 65504.0, 65520.0], torch.float16)
+    assert one.tolist() == [1.0, 1 + 2 ** -10, 65504.0, float("inf")]
+    tiny = P.round_trip([2.0 ** -25, 2.0 ** -24, 1e-10], torch.float16)
+    assert tiny.tolist() == [0.0, 2.0 ** -24, 0.0]
+    assert P.round_trip([1e-10], torch.bfloat16).item() != 0.0
+
+
+def test_format_validation():
+    with pytest.raises(ValueError, match="format='fp12'"):
+        P.format_info("fp12")
+    with pytest.raises(ValueError, match="dtype="):
+        P.autocast_op_table(lambda: None, "cpu", torch.float32)
+
+
+def test_autocast_op_dtypes_on_gpt():
+    cfg = GPTConfig(n_layers=1, hidden=32, seq_len=8, vocab_size=32)
+    model = build_gpt(cfg)
+    idx = torch.randint(0, 32, (2, 8))
+    table = P.autocast_op_table(lambda: model(idx, idx), "cpu", torch.bfloat16)
+    out = P.op_output_dtypes(table)
+    assert out["addmm"] == {"bf16"} and out["bmm"] == {"bf16"}  # matmuls go low
+    assert out["native_layer_norm"] == {"fp32"}  # fp32 residual stream in, fp32 out
+    assert out["nll_loss_forward"] == {"fp32"}  # the loss is kept in fp32
+    assert "fp32" in out["_to_copy"] and "bf16" in out["_to_copy"]  # autocast's casts
+    assert out["_softmax"] == {"bf16"}  # CPU autocast does not keep softmax in fp32
+
+
+def test_deprecated_spellings_warn_and_are_caught(recwarn):
+    msgs = P.deprecated_amp_warnings()
+    if hasattr(torch.cuda, "amp") and hasattr(torch.cuda.amp, "GradScaler"):
+        assert any("deprecated" in m for m in msgs)
+    assert not [w for w in recwarn if "deprecated" in str(w.message)]
+
+
+@pytest.mark.parametrize("kw", [dict(inject_inf_at=(3, 6)),
+                                dict(init_scale=2.0 ** 127, inject_inf_at=())])
+def test_scaler_matches_grad_scaler(kw):
+    ok, why = grad_scaler_available("cpu")
+    if not ok:
+        pytest.skip(why)
+    ours = scaler_trajectory("ours", steps=8, **kw)
+    ref = scaler_trajectory("torch", steps=8, **kw)
+    assert ours["scale"] == ref["scale"]
+    assert ours["skipped"] == ref["skipped"]
+    assert any(ours["skipped"]) and not all(ours["skipped"])
+    # Same ops in the same order: bitwise equal (tolerance 0).
+    for name, p in ours["params"].items():
+        torch.testing.assert_close(p, ref["params"][name], rtol=0, atol=0)
+
+
+def test_scaler_rules_and_validation():
+    assert simulate_scale([False, False, True, False], 8.0, growth_interval=2) == \
+        [8.0, 16.0, 8.0, 8.0]
+    assert simulate_scale([False], 2.0 ** 127, growth_interval=1) == [2.0 ** 127]
+    for kw, msg in ((dict(init_scale=0.0), "init_scale"),
+                    (dict(growth_factor=1.0), "growth_factor"),
+                    (dict(backoff_factor=1.5), "backoff_factor"),
+                    (dict(growth_interval=0), "growth_interval")):
+        with pytest.raises(ValueError, match=msg):
+            DynamicLossScaler(**kw)
+    s = DynamicLossScaler()
+    with pytest.raises(RuntimeError, match="update"):
+        s.update()
+
+
+def test_underflow_demo_numbers():
+    fp16 = flushed_fraction(torch.float16)["flushed"]
+    fp16_scaled = flushed_fraction(torch.float16, 2.0 ** 16)["flushed"]
+    bf16 = flushed_fraction(torch.bfloat16)["flushed"]
+    assert fp16 > 0.05  # a large share of the gradient is lost
+    assert fp16_scaled < 0.01 and bf16 < 0.01
+    with pytest.raises(ValueError, match="loss_scale"):
+        flushed_fraction(torch.float16, 0.0)
+
+
+def test_mixed_precision_close_to_fp32():
+    fp32 = torch.tensor(train_losses("fp32"))
+    auto = torch.tensor(train_losses("autocast"))
+    manual = torch.tensor(train_losses("manual"))
+    assert fp32[-1] < fp32[0] - 0.1  # it trains
+    # bf16 has 8 significant bits: losses agree to 0.1 nats over 12 steps.
+    torch.testing.assert_close(auto, fp32, rtol=0, atol=0.1)
+    torch.testing.assert_close(manual, auto, rtol=0, atol=0.1)
+    with pytest.raises(ValueError, match="mode"):
+        train_losses("fp8")
+
+
+def test_state_bytes_per_param_is_16():
+    model = build_gpt(GPTConfig(n_layers=1, hidden=16, seq_len=8, vocab_size=16))
+    opt = torch.optim.Adam(model.parameters())
+    mp = ManualMixedPrecision(model, opt, torch.bfloat16)
+    idx = torch.randint(0, 16, (2, 8))
+    mp.step(idx, idx)
+    b = state_bytes_per_param(mp)
+    assert (b["params_16"], b["grads_16"], b["master_32"], b["optimizer"]) == \
+        (2, 2, 4, 8)
+    assert b["total"] == 16
+    with pytest.raises(ValueError, match="dtype"):
+        ManualMixedPrecision(model, opt, torch.float32)
+
+
+def test_checkers_accept_right_and_reject_wrong(capsys):
+    ex.check_format_constants("fp16", 2.0 ** -10, 2.0 ** -24)
+    with pytest.raises(WrongAnswer, match="eps"):
+        ex.check_format_constants("fp16", 2.0 ** -11, 2.0 ** -24)
+    with pytest.raises(WrongAnswer, match="subnormal"):
+        ex.check_format_constants("bf16", 2.0 ** -7, 2.0 ** -126)
+    vals = [1e-3, 1e-8, 1e-30]
+    ex.check_underflow_prediction(vals, [False, True, True], [False, False, False])
+    with pytest.raises(WrongAnswer, match="1e-08"):
+        ex.check_underflow_prediction(vals, [False, False, True], [False, False, False])
+    ex.check_scale_after([False, True, False, False], 1024.0, 2, 1024.0, 1)
+    with pytest.raises(WrongAnswer, match="final scale"):
+        ex.check_scale_after([False, True, False, False], 1024.0, 2, 512.0, 1)
+    with pytest.raises(WrongAnswer, match="skipped"):
+        ex.check_scale_after([False, True, False, False], 1024.0, 2, 1024.0, 0)
+    assert capsys.readouterr().out.count("Correct") == 3
+
+
+def test_matmul_bench_records():
+    parser = argparse.ArgumentParser()
+    matmul.add_arguments(parser)
+    records = matmul.run(parser.parse_args(
+        ["--sizes", "32", "--dtypes", "bf16", "fp32", "--iters", "2", "--repeats", "2",
+         "--warmup", "1"]))
+    assert [r["dtype"] for r in records] == ["fp32", "bf16"]
+    for r in records:
+        assert {"dtype", "size", "time_s", "tflops", "ratio_to_fp32"} <= set(r)
+        assert r["size"] == 32 and r["time_s"] > 0
+        assert r["tflops"] == pytest.approx(2 * 32 ** 3 / r["time_s"] / 1e12)
+    assert records[0]["ratio_to_fp32"] == 1.0
+    with pytest.raises(ValueError, match="iters"):
+        matmul.time_matmul(8, torch.float32, torch.device("cpu"), iters=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_scaler_and_autocast():
+    dev = torch.device("cuda", 0)
+    ours = scaler_trajectory("ours", steps=6, inject_inf_at=(2,), device=dev)
+    ref = scaler_trajectory("torch", steps=6, inject_inf_at=(2,), device=dev)
+    assert ours["scale"] == ref["scale"] and ours["skipped"] == ref["skipped"]
+    for name, p in ours["params"].items():
+        torch.testing.assert_close(p, ref["params"][name], rtol=1e-6, atol=1e-7)
+    cfg = GPTConfig(n_layers=1, hidden=32, seq_len=8, vocab_size=32)
+    model = build_gpt(cfg).to(dev)
+    idx = torch.randint(0, 32, (2, 8), device=dev)
+    out = P.op_output_dtypes(P.autocast_op_table(lambda: model(idx, idx), "cuda"))
+    assert out["_softmax"] == {"fp32"}  # CUDA's fp32 list includes softmax
+    assert out["addmm"] == {"bf16"}
