@@ -1,0 +1,222 @@
+"""Chapter 9: the whole training state, atomic writes, safe loads, sharded checkpoints.
+
+Every resume is compared with the uninterrupted run with ``torch.equal`` (tolerance
+zero): same ops in the same order on the same data must give the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dtlib import launch
+from dtlib.checkpoint import (STATE_KEYS, ResumableSampler, atomic_save,
+                              checkpoint_path, latest_checkpoint, list_checkpoints,
+                              load_checkpoint, rng_state, set_rng_state)
+from dtlib.checkpoint_resume import (CrashDuringSave, SimulatedCrash,
+                                     crafted_checkpoint, ddp_resume_proof,
+                                     seed_resume_step, seed_save_name, train_run)
+from dtlib.exercises import WrongAnswer
+from dtlib.exercises import checkpoint as ex
+from dtlib.models import build_gpt
+from dtlib.sharded_checkpoint import (FSDP_CFG, dcp_load_full, fsdp_load_both,
+                                      fsdp_save_both, load_full)
+
+TOTAL, STOP = 10, 7  # 5 batches per epoch: the crash falls inside the second epoch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: threads only contend on a loaded machine
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def straight():
+    torch.set_num_threads(1)
+    return train_run(TOTAL)
+
+
+def _crash_and_resume(tmp_path, **resume_kwargs):
+    train_run(TOTAL, str(tmp_path), save_every=STOP, stop_at=STOP)
+    return train_run(TOTAL, str(tmp_path), resume=True, **resume_kwargs)
+
+
+# ---- naming (ERRATA 36) --------------------------------------------------------------
+
+def test_one_name_for_saving_and_finding(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    for step in (3, 12, 100):
+        torch.save({"step": step}, checkpoint_path(tmp_path, step))
+    (tmp_path / ".tmp-abc.part").write_bytes(b"half a file")  # an unfinished write
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 12, 100]
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 100)
+    with pytest.raises(ValueError, match="step=-1"):
+        checkpoint_path(tmp_path, -1)
+
+
+def test_seed_names_never_resume(tmp_path):
+    torch.save({"step": 40}, tmp_path / seed_save_name(epoch=1, step=40))
+    assert seed_resume_step(str(tmp_path), epoch=2) == 0  # the defect: silent restart
+    assert latest_checkpoint(tmp_path) is None  # and our scheme does not see it either
+    torch.save({"step": 40}, checkpoint_path(tmp_path, 40))
+    assert torch.load(latest_checkpoint(tmp_path), weights_only=True)["step"] == 40
+
+
+# ---- atomic writes (ERRATA 38) -------------------------------------------------------
+
+def test_naive_save_crash_corrupts_previous(tmp_path):
+    path = checkpoint_path(tmp_path, 1)
+    torch.save({"w": torch.ones(3)}, path)
+    with pytest.raises(SimulatedCrash):
+        torch.save({"w": torch.zeros(3), "x": CrashDuringSave()}, path)
+    with pytest.raises(Exception):
+        torch.load(path, weights_only=True)
+
+
+def test_atomic_save_keeps_previous(tmp_path):
+    path = checkpoint_path(tmp_path, 1)
+    atomic_save({"w": torch.ones(3)}, path)
+    with pytest.raises(SimulatedCrash):
+        atomic_save({"w": torch.zeros(3), "x": CrashDuringSave()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
+    assert os.listdir(tmp_path) == [os.path.basename(path)]  # temp file cleaned up
+
+
+# ---- safe loading (ERRATA 39) --------------------------------------------------------
+
+def test_weights_only_refuses_code(tmp_path):
+    marker = tmp_path / "marker"
+    path = crafted_checkpoint(str(tmp_path / "evil.pt"), str(marker))
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        torch.load(path, weights_only=True)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)
+    assert marker.exists()  # the unsafe load ran the file's code
+
+
+def test_rng_state_roundtrip_weights_only(tmp_path):
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    atomic_save(rng_state(), tmp_path / "rng.pt")
+    want = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (random.random(), np.random.rand(), torch.rand(1))
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2])
+
+
+# ---- sampler: resume by arithmetic, not by replay (ERRATA 37) ------------------------
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_sampler_resumes_mid_epoch(world_size):
+    for rank in range(world_size):
+        s = ResumableSampler(10, rank=rank, world_size=world_size, seed=3)
+        s.set_epoch(2)
+        full = list(s)
+        s2 = ResumableSampler(10, rank=rank, world_size=world_size, seed=3)
+        s2.load_state_dict({"epoch": 2, "position": 2, "seed": 3})
+        assert list(s2) == full[2:]
+    s = ResumableSampler(10, seed=3)
+    assert list(s) != (s.set_epoch(1) or list(s))  # a new order each epoch
+    with pytest.raises(ValueError, match="rank=2"):
+        ResumableSampler(10, rank=2, world_size=2)
+
+
+# ---- the proof (ERRATA 37) -----------------------------------------------------------
+
+def test_resume_is_bit_exact(tmp_path, straight):
+    resumed = _crash_and_resume(tmp_path)
+    assert resumed["start_step"] == STOP
+    assert torch.equal(resumed["params"], straight["params"])
+    assert resumed["lr"] == straight["lr"]
+
+
+@pytest.mark.parametrize("missing", ["sampler", "scheduler", "rng_torch", "rng_python",
+                                     "rng_numpy", "optimizer"])
+def test_partial_restore_diverges(tmp_path, straight, missing):
+    keys = set(STATE_KEYS) - {missing}
+    resumed = _crash_and_resume(tmp_path, restore=keys)
+    assert not torch.equal(resumed["params"], straight["params"])
+
+
+def test_replay_is_exact_but_loads_skipped_batches(tmp_path, straight):
+    arith = _crash_and_resume(tmp_path)
+    replay = train_run(TOTAL, str(tmp_path), resume=True, replay=True)
+    assert torch.equal(replay["params"], straight["params"])
+    assert replay["loads"] - arith["loads"] == 2 * 4  # 2 batches of 4 into epoch 1
+
+
+def test_load_rejects_bad_keys_and_world_size(tmp_path):
+    train_run(2, str(tmp_path), save_every=2)
+    model = build_gpt()
+    with pytest.raises(ValueError, match="restore"):
+        load_checkpoint(latest_checkpoint(tmp_path), model, restore={"weights"})
+    state = torch.load(latest_checkpoint(tmp_path), weights_only=True)
+    state["world_size"] = 2
+    torch.save(state, checkpoint_path(tmp_path, 3))
+    with pytest.raises(ValueError, match="2 ranks"):
+        load_checkpoint(latest_checkpoint(tmp_path), model)
+
+
+def test_ddp_resume_two_ranks(tmp_path):
+    good = launch.spawn(ddp_resume_proof, 2, str(tmp_path / "a"), TOTAL, STOP,
+                        stream=False, timeout=120)
+    assert all(r["equal"] for r in good)
+    # the two ranks hold the same (all-reduced) model, and it is the straight run's
+    assert torch.equal(good[0]["resumed"], good[1]["resumed"])
+    bad = launch.spawn(ddp_resume_proof, 2, str(tmp_path / "b"), TOTAL, STOP,
+                       ("model", "optimizer", "scheduler"), stream=False, timeout=120)
+    assert not any(r["equal"] for r in bad)
+
+
+# ---- sharded state (ERRATA 40) -------------------------------------------------------
+
+def test_fsdp2_teaching_format_and_dcp_reshard(tmp_path):
+    td, dd, naive = (str(tmp_path / n) for n in ("teach", "dcp", "naive.pt"))
+    saved = launch.spawn(fsdp_save_both, 4, td, dd, naive, stream=False, timeout=180)
+    b = saved[0]["bytes"]
+    assert b["local"] < 0.3 * b["global"]  # rank 0 holds about a quarter
+    assert saved[0]["naive_file_bytes"] < 0.5 * b["global"]
+    full = saved[0]["full"]
+    loaded = launch.spawn(fsdp_load_both, 2, td, dd, stream=False, timeout=180)
+    for name in ("teach", "dcp"):
+        got = loaded[0][name]
+        assert set(got) == set(full)
+        for k in full:
+            assert torch.equal(got[k], full[k]), (name, k)
+    one = load_full(td)
+    assert all(torch.equal(one[k], full[k]) for k in full)
+    template = {"model": build_gpt(FSDP_CFG, seed=1).state_dict()}
+    dcp_load_full(dd, template)
+    for k, v in template["model"].items():
+        assert torch.equal(v, full["model/" + k]), k
+
+
+# ---- exercise checkers ---------------------------------------------------------------
+
+def test_check_resume_keys_accepts_all_rejects_partial():
+    ex.check_resume_keys(STATE_KEYS)
+    with pytest.raises(WrongAnswer, match="different run"):
+        ex.check_resume_keys(["model", "optimizer", "scheduler", "sampler",
+                              "rng_torch"])
+    with pytest.raises(WrongAnswer, match="unknown"):
+        ex.check_resume_keys(["weights"])
+
+
+def test_check_atomic_save():
+    ex.check_atomic_save(atomic_save)
+    with pytest.raises(WrongAnswer, match="destroyed"):
+        ex.check_atomic_save(lambda obj, path: torch.save(obj, path))
+
+    def no_fsync(obj, path):
+        torch.save(obj, path + ".part")
+        os.replace(path + ".part", path)
+
+    with pytest.raises(WrongAnswer, match="fsync"):
+        ex.check_atomic_save(no_fsync)
