@@ -1,0 +1,78 @@
+"""Checkers for Chapter 8, "Gradient accumulation"."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from dtlib.exercises import WrongAnswer, passed
+
+#: Token counts per rank, per micro-batch: ``cases[i][rank][k]``.
+SCALE_CASES: tuple[tuple[tuple[int, ...], ...], ...] = (
+    ((10, 20),),
+    ((30, 12, 50), (41, 7, 20)),
+    ((5,), (0,), (9,), (16,)),
+    ((64, 64), (64, 64), (64, 64), (64, 1)),
+)
+
+
+def _scale_truth(token_counts: Sequence[Sequence[int]]) -> float:
+    world_size = len(token_counts)
+    return world_size / sum(sum(rank) for rank in token_counts)
+
+
+def check_loss_scale(scale: Callable[[list[list[int]]], float]) -> None:
+    """Check ``scale(token_counts) -> float``.
+
+    ``token_counts[rank][k]`` is the number of real tokens in micro-batch ``k`` of
+    ``rank`` (``len(token_counts)`` is the world size). The answer is the factor each
+    rank multiplies every micro-batch's *summed* token loss by before ``backward()``,
+    so that after DDP averages the ranks' gradients they equal the gradient of the
+    large batch's mean loss.
+    """
+    for case in SCALE_CASES:
+        counts = [list(rank) for rank in case]
+        got = scale([list(rank) for rank in case])
+        want = _scale_truth(counts)
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise WrongAnswer(f"token_counts={counts}: expected a number, got "
+                              f"{type(got).__name__} {got!r}")
+        if math.isclose(got, want, rel_tol=1e-9):
+            continue
+        total = sum(sum(r) for r in counts)
+        hint = "count every real token of every rank's micro-batches"
+        if math.isclose(got, 1 / total, rel_tol=1e-9) and len(counts) > 1:
+            hint = ("DDP *averages* the ranks' gradients (divides by world_size); "
+                    "multiply that back")
+        elif any(sum(r) and math.isclose(got, 1 / sum(r), rel_tol=1e-9)
+                 for r in counts) and len(counts) > 1:
+            hint = ("a per-rank token count makes DDP average per-rank means; the "
+                    "normaliser must be the global count (one all-reduce per group)")
+        raise WrongAnswer(f"token_counts={counts}: you gave {got!r}, the right factor "
+                          f"is {want!r}. Hint: {hint}.")
+    passed("each rank scales its summed loss by world_size / (global token count)")
+
+
+ALLREDUCE_CASES = ((1, 1, True), (1, 5, False), (4, 1, True), (4, 1, False),
+                   (4, 7, True), (4, 7, False), (8, 3, True), (3, 3, False))
+
+
+def check_allreduce_calls(calls: Callable[[int, int, bool], int]) -> None:
+    """Check ``calls(accum_steps, n_buckets, no_sync) -> int``: gradient all-reduce
+    calls one rank issues per optimizer step (DDP with ``n_buckets`` buckets), with
+    all but the last micro-batch inside ``no_sync()`` when ``no_sync`` is true."""
+    for accum_steps, n_buckets, no_sync in ALLREDUCE_CASES:
+        want = n_buckets if no_sync else accum_steps * n_buckets
+        got = calls(accum_steps, n_buckets, no_sync)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise WrongAnswer(f"expected an int, got {type(got).__name__} {got!r}")
+        if got != want:
+            hint = ("every backward outside no_sync all-reduces every bucket once"
+                    if not no_sync else
+                    "inside no_sync nothing is sent; the last, synchronised backward "
+                    "sends each bucket once")
+            raise WrongAnswer(
+                f"accum_steps={accum_steps}, n_buckets={n_buckets}, "
+                f"no_sync={no_sync}: you said {got}, a rank issues {want}. "
+                f"Hint: {hint}.")
+    passed("no_sync cuts the gradient all-reduces per step by a factor accum_steps")
