@@ -1,0 +1,163 @@
+"""The capstone's configuration: one typed dataclass, one flag per field.
+
+Every knob of :mod:`dtlib.train` is a field of :class:`TrainConfig` with a docstring
+line and a check in ``__post_init__``: a bad value stops the job before any process
+group, model or file exists, with a message that names the flag, the value and what is
+allowed. :func:`parse_args` maps the command line onto it (``--accum-steps`` ->
+``accum_steps``), so the flags and the fields cannot drift apart.
+
+Taught in: Chapter 10, "The script's structure".
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, fields
+from typing import Sequence
+
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run depends on.
+
+    strategy: "ddp" (replicated model, gradient all-reduce) or "fsdp" (FSDP2
+        ``fully_shard``: parameters, gradients and optimizer state sharded, ZeRO-3).
+    precision: "fp32"; "bf16" (autocast under DDP, a bf16 MixedPrecisionPolicy under
+        FSDP; no loss scaler); "fp16" (autocast plus GradScaler, DDP only).
+    n_layers: transformer blocks of the GPT.
+    hidden: model width; divisible by n_heads.
+    n_heads: attention heads.
+    seq_len: tokens per sample.
+    vocab_size: tokens in the vocabulary.
+    micro_batch: samples per rank per forward/backward.
+    accum_steps: micro-batches per optimizer step (no_sync on all but the last).
+    steps: optimizer steps of the whole run (a resumed run counts from its checkpoint).
+    lr: peak learning rate, reached after ``warmup`` steps.
+    warmup: steps of linear warm-up; then cosine decay to ``min_lr_ratio * lr``.
+    min_lr_ratio: the final learning rate as a fraction of ``lr``.
+    weight_decay: AdamW's decoupled weight decay.
+    grad_clip: clip the global gradient norm to this (0 turns clipping off).
+    dataset_size: samples in the synthetic dataset (an epoch).
+    seed: seeds the model's weights, the data and the sampler's shuffling.
+    ckpt_dir: directory of checkpoints; None saves nothing and resumes nothing.
+    save_every: save after every this many steps (and after the last step).
+    log_every: rank 0 prints step, loss, learning rate and tokens/s this often.
+    stop_after: leave after this many steps of *this* process without a final save,
+        as a crash would (0: run to ``steps``).
+    summary_json: rank 0 writes the run's losses and a parameter digest here.
+    """
+
+    strategy: str = "ddp"
+    precision: str = "fp32"
+    n_layers: int = 2
+    hidden: int = 64
+    n_heads: int = 4
+    seq_len: int = 32
+    vocab_size: int = 64
+    micro_batch: int = 4
+    accum_steps: int = 1
+    steps: int = 20
+    lr: float = 3e-3
+    warmup: int = 2
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    dataset_size: int = 1024
+    seed: int = 0
+    ckpt_dir: str | None = None
+    save_every: int = 5
+    log_every: int = 5
+    stop_after: int = 0
+    summary_json: str | None = None
+
+    def __post_init__(self) -> None:
+        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("precision", self.precision, PRECISIONS)
+        for name in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size",
+                     "micro_batch", "accum_steps", "steps", "dataset_size",
+                     "save_every", "log_every"):
+            _int(name, getattr(self, name), minimum=1)
+        for name in ("warmup", "seed", "stop_after"):
+            _int(name, getattr(self, name), minimum=0)
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by "
+                             f"n_heads={self.n_heads}; allowed: a multiple of it")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if self.warmup >= self.steps:
+            raise ValueError(f"warmup={self.warmup} must be < steps={self.steps}")
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ValueError("precision='fp16' with strategy='fsdp' is not supported "
+                             "(it needs a ShardedGradScaler); allowed: fp32, bf16")
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Target tokens one rank processes per micro-batch."""
+        return self.micro_batch * self.seq_len
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: {allowed}")
+
+
+def _int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An ``argparse`` parser with one ``--flag-name`` per :class:`TrainConfig` field.
+
+    Types and defaults come from the dataclass; help texts from its docstring.
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    doc = _field_docs()
+    parser = argparse.ArgumentParser(
+        prog="python -m dtlib.train",
+        description="Train the book's GPT with DDP or FSDP2 (run under torchrun).")
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else None
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind,
+                            default=default, help=f"{doc.get(f.name, '')} "
+                            f"(default: {default})")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Command line -> validated :class:`TrainConfig` (raises ValueError when invalid).
+
+    Args:
+        argv: the arguments without the program name (default: ``sys.argv[1:]``).
+    Returns:
+        The configuration.
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    ns = build_parser().parse_args(None if argv is None else list(argv))
+    return TrainConfig(**vars(ns))
+
+
+def _field_docs() -> dict[str, str]:
+    """Field name -> its line(s) in the TrainConfig docstring."""
+    docs: dict[str, str] = {}
+    name = None
+    for line in (TrainConfig.__doc__ or "").splitlines():
+        head, sep, text = line.strip().partition(": ")
+        if sep and head.isidentifier() and line.startswith("    ") \
+                and not line.startswith("        "):
+            name = head
+            docs[name] = text
+        elif name and line.startswith("        "):
+            docs[name] += " " + line.strip()
+    return docs

@@ -1,0 +1,155 @@
+"""The capstone script (dtlib.train): it equals its single-process reference, resumes
+exactly, refuses what cannot fit, and names bad flags.
+
+Launches go through dtlib.launch.torchrun (real torchrun, ~5 s each on 2 cores);
+the module fixture keeps them to five: DDP straight / crash / resume, FSDP crash /
+resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dtlib import launch, train
+from dtlib.train import DoesNotFit, check_memory, lr_lambda, main, prepare_model
+from dtlib.train_config import TrainConfig, parse_args
+
+STEPS = 8
+BASE = ["--steps", str(STEPS), "--save-every", "3", "--log-every", "4",
+        "--micro-batch", "2", "--dataset-size", "256"]
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, different summation order only
+
+
+def _run(tmp, name: str, *args: str, nproc: int = 2) -> dict:
+    out = os.path.join(tmp, f"{name}.json")
+    launch.torchrun("dtlib.train", *BASE, *args, "--summary-json", out,
+                    module=True, nproc=nproc, stream=False, timeout=120)
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("train"))
+    res = {"straight": _run(tmp, "straight", "--strategy", "ddp")}
+    for strategy in ("ddp", "fsdp"):
+        ckpt = os.path.join(tmp, f"ckpt_{strategy}")
+        args = ("--strategy", strategy, "--ckpt-dir", ckpt)
+        res[f"{strategy}_crash"] = _run(tmp, f"{strategy}_crash", *args,
+                                        "--stop-after", "5")
+        res[f"{strategy}_resume"] = _run(tmp, f"{strategy}_resume", *args)
+    return res
+
+
+def _losses(summary: dict) -> list[float]:
+    return [summary["losses"][str(s)] for s in range(1, STEPS + 1)]
+
+
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(runs):
+    # 1 rank x 2 micro-batches of 2 = 2 ranks x 1 micro-batch of 2: same samples.
+    single = main([*BASE, "--accum-steps", "2"])
+    torch.testing.assert_close(single, runs["straight"]["final_loss"], **LOSS_TOL)
+
+
+def test_ddp_crash_and_resume_is_bit_exact(runs):
+    crash, resumed = runs["ddp_crash"], runs["ddp_resume"]
+    assert crash["end_step"] == 5 and resumed["start_step"] == 3  # step 3 saved
+    assert resumed["param_sha256"] == runs["straight"]["param_sha256"]
+    assert resumed["final_loss"] == runs["straight"]["final_loss"]
+    assert crash["losses"]["4"] == resumed["losses"]["4"]  # redone identically
+
+
+def test_fsdp_crash_and_resume_matches_ddp(runs):
+    resumed = runs["fsdp_resume"]
+    assert resumed["start_step"] == 3 and resumed["end_step"] == STEPS
+    torch.testing.assert_close(resumed["final_loss"], runs["straight"]["final_loss"],
+                               **LOSS_TOL)
+    torch.testing.assert_close(resumed["param_norm"], runs["straight"]["param_norm"],
+                               rtol=1e-6, atol=0)
+
+
+def test_accumulation_equals_the_large_micro_batch():
+    big = main([*BASE, "--micro-batch", "4"])
+    accumulated = main([*BASE, "--micro-batch", "2", "--accum-steps", "2"])
+    torch.testing.assert_close(accumulated, big, **LOSS_TOL)
+
+
+def test_bf16_stays_close_to_fp32():
+    fp32 = main(BASE)
+    bf16 = main([*BASE, "--precision", "bf16"])
+    assert bf16 != fp32  # bf16 really ran
+    assert abs(bf16 - fp32) < 0.02 * fp32  # bf16 has ~3 significant digits
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--strategy", "zero9"], ["strategy='zero9'", "ddp", "fsdp"]),
+    (["--accum-steps", "0"], ["accum_steps=0", ">= 1"]),
+    (["--hidden", "30", "--n-heads", "4"], ["hidden=30", "n_heads=4"]),
+    (["--precision", "fp16", "--strategy", "fsdp"], ["fp16", "fsdp"]),
+    (["--warmup", "20", "--steps", "10"], ["warmup=20", "steps=10"]),
+])
+def test_bad_flags_are_named(argv, words):
+    with pytest.raises(ValueError) as err:
+        main(argv)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_flags_map_to_fields():
+    cfg = parse_args(["--accum-steps", "3", "--lr", "0.5", "--ckpt-dir", "x"])
+    assert cfg == TrainConfig(accum_steps=3, lr=0.5, ckpt_dir="x")
+
+
+def test_seven_billion_fp32_ddp_is_refused_on_80_gb():
+    with pytest.raises(DoesNotFit, match="112.0 GB"):
+        check_memory(7_000_000_000, "ddp", world_size=8, device_gb=80)
+    fsdp = check_memory(7_000_000_000, "fsdp", world_size=8, device_gb=80)
+    assert fsdp.total == 16 * 7_000_000_000 // 8
+    assert check_memory(7_000_000_000, "ddp", 8, None).total == 112e9  # CPU: report
+    with pytest.raises(ValueError, match="strategy"):
+        check_memory(10, "zero", 1, None)
+
+
+def test_lr_schedule_warms_up_then_decays():
+    lrs = [lr_lambda(s, warmup=2, steps=10, min_lr_ratio=0.1) for s in range(12)]
+    assert lrs[0] == 0.5 and lrs[1] == 1.0 and lrs[2] == 1.0
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[10] == pytest.approx(0.1) and lrs[11] == pytest.approx(0.1)
+
+
+def _bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def test_batchnorm_becomes_syncbatchnorm_before_wrapping(monkeypatch):
+    seen = []  # what DDP would see at wrapping time (a CPU DDP refuses SyncBatchNorm)
+    monkeypatch.setattr(train, "DDP", lambda m, **kw: seen.extend(
+        type(x).__name__ for x in m.modules()) or m)
+    prepare_model(_bn_model(), "ddp", torch.device("cpu"), sync_bn=True)
+    assert "SyncBatchNorm" in seen and "BatchNorm1d" not in seen
+
+
+def _bn_rank() -> list[str]:
+    wrapped = prepare_model(_bn_model(), "ddp", torch.device("cpu"))  # CPU: no sync
+    return [type(m).__name__ for m in wrapped.module.modules()]
+
+
+def test_cpu_ddp_keeps_batchnorm():
+    assert "BatchNorm1d" in launch.spawn(_bn_rank, 2)[0]
+
+
+def test_loss_multiplier_checker_accepts_right_and_rejects_wrong(capsys):
+    from dtlib.exercises import WrongAnswer
+    from dtlib.exercises.train import check_loss_multiplier
+
+    check_loss_multiplier(lambda ws, mb, s, acc: ws / (ws * mb * s * acc))
+    assert "right" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="divides the summed gradients"):
+        check_loss_multiplier(lambda ws, mb, s, acc: 1 / (ws * mb * s * acc))
+    with pytest.raises(WrongAnswer, match="expected"):
+        check_loss_multiplier(lambda ws, mb, s, acc: 1 / (mb * s))
