@@ -25,7 +25,8 @@ from dtlib import dist as ddist
 from dtlib.accumulation import (IGNORE_INDEX, MicroBatch, accumulate_gradients,
                                 count_tokens, train_epoch)
 from dtlib.accumulation_seed import seed_accumulate
-from dtlib.ddp_compare import TINY, grads_of, params_of, wrap
+from dtlib.ddp_compare import TINY, wrap
+from dtlib.reference import grads_of, params_of, train_reference
 from dtlib.models import GPTConfig, build_gpt
 
 METHODS = ("tokens", "seed", "local_tokens", "trainer")
@@ -112,19 +113,7 @@ def reference_steps(cfg: GPTConfig, groups: Sequence[Sequence[MicroBatch]],
         ``{"grads": first step's gradients, "params": after the last step,
         "losses": [large-batch mean loss per step]}``.
     """
-    model = build_gpt(cfg, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"losses": []}
-    for step, group in enumerate(groups):
-        loss = model(*large_batch(group))[1]
-        loss.backward()
-        if step == 0:
-            out["grads"] = grads_of(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    out["params"] = params_of(model)
-    return out
+    return train_reference(build_gpt(cfg, seed), (large_batch(g) for g in groups), lr=lr)
 
 
 def global_groups(cfg: GPTConfig, world_size: int, accum_steps: int,

@@ -29,21 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 from dtlib import dist as ddist
 from dtlib.data_parallel import MODES, DataParallel
 from dtlib.models import GPTConfig, build_gpt, token_batch
+from dtlib.reference import grads_of, params_of, train_reference
 
 VARIANTS = (*MODES, "torch")
 #: A GPT small enough that 4 ranks train it for 5 steps in well under a second.
 TINY = GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4)
-
-
-def grads_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU copy of every gradient, by parameter name (a tied weight once)."""
-    return {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()
-            if p.grad is not None}
-
-
-def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU copy of every parameter, by name."""
-    return {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
 
 
 def wrap(module: nn.Module, variant: str, bucket_cap_mb: float = 25.0,
@@ -81,20 +71,8 @@ def reference_training(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
         ``{"grads": first step's gradients, "params": parameters after the last step,
         "losses": [loss per step]}``.
     """
-    model = build_gpt(cfg, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"losses": []}
-    for step in range(steps):
-        idx, targets = token_batch(cfg, batch, seed=step)
-        loss = _loss(model, idx, targets)
-        loss.backward()
-        if step == 0:
-            out["grads"] = grads_of(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    out["params"] = params_of(model)
-    return out
+    batches = (token_batch(cfg, batch, seed=step) for step in range(steps))
+    return train_reference(build_gpt(cfg, seed), batches, lr=lr, loss_fn=_loss)
 
 
 def train_replica(cfg: GPTConfig, variant: str, micro_batch: int, steps: int,

@@ -21,6 +21,7 @@ from dtlib.dist import world
 from dtlib.models import GPTConfig, build_gpt, token_batch
 from dtlib.pipeline_parallel import split_gpt
 from dtlib.pp_schedules import idle_fractions, pipeline_step
+from dtlib.reference import train_reference
 
 __all__ = ["PP_GPT", "lm_loss", "reference_training", "train_teaching", "train_torch",
            "compare_all", "timeline_rank", "stage_idle"]
@@ -53,20 +54,9 @@ def reference_training(gpt: dict, batch: int, steps: int) -> dict[str, Any]:
     Taught in: Chapter 6, "Is it the same training?"."""
     cfg = GPTConfig(**gpt)
     model = build_gpt(cfg, seed=0).to(world().device)
-    opt = _opt(model.parameters())
-    losses, grads = [], {}
-    for step in range(steps):
-        idx, tgt = _batch(cfg, batch, step)
-        opt.zero_grad()
-        loss = lm_loss(model(idx), tgt)
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.detach().cpu().clone()
-                     for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    batches = (_batch(cfg, batch, step) for step in range(steps))
+    return train_reference(model, batches, optimizer=_opt(model.parameters()),
+                           loss_fn=lambda m, idx, tgt: lm_loss(m(idx), tgt))
 
 
 def _my_stage(cfg: GPTConfig, group: dist.ProcessGroup | None = None):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from dtlib import dist as ddist
 from dtlib.accounting import count_comms
 from dtlib.models import GPTConfig, build_gpt, token_batch
+from dtlib.reference import train_reference
 from dtlib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, full_linear,
                                    tp_rank, tp_size)
 from dtlib.tp_gpt import (dtensor_parallelize, full_tensors, parallel_param_count,
@@ -58,20 +59,8 @@ def reference_training(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
     Returns:
         ``{"losses": [per step], "grads": first step's gradients, "params": after}``.
     """
-    model = build_gpt(cfg, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"losses": []}
-    for step in range(steps):
-        idx, targets = token_batch(cfg, batch, seed=step)
-        loss = model(idx, targets)[1]
-        loss.backward()
-        if step == 0:
-            out["grads"] = full_tensors(model, grads=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    out["params"] = full_tensors(model)
-    return out
+    batches = (token_batch(cfg, batch, seed=step) for step in range(steps))
+    return train_reference(build_gpt(cfg, seed), batches, lr=lr)
 
 
 def train_tp(cfg: GPTConfig, impl: str, batch: int, steps: int, lr: float = 1e-3,
