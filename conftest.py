@@ -26,7 +26,7 @@ def launched_processes(pattern: str = "") -> list[psutil.Process]:
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if ("dtlib.worker" in cmd or "torch.distributed.run" in cmd) and pattern in cmd \
+            if ("dtlib.runtime.worker" in cmd or "torch.distributed.run" in cmd) and pattern in cmd \
                     and p.environ().get("DTLIB_LAUNCH_OWNER") == OWNER:
                 found.append(p)
         except psutil.Error:

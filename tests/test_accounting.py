@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dtlib import launch
-from dtlib.accounting import CommLog, CommRecord, count_comms, ddp_comm_hook_accounting
-from dtlib.models import MLP
+from dtlib.runtime import launch
+from dtlib.collectives.accounting import CommLog, CommRecord, count_comms, ddp_comm_hook_accounting
+from dtlib.models.gpt import MLP
 
 
 def _plain_ops() -> list[tuple]:

@@ -16,21 +16,21 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dtlib import launch
-from dtlib.accumulation import (EpochStats, accumulate_gradients, count_tokens,
+from dtlib.runtime import launch
+from dtlib.accumulation.micro_batches import (EpochStats, accumulate_gradients, count_tokens,
                                 make_grad_scaler, micro_batch_groups, token_loss_sum,
                                 train_epoch)
-from dtlib.accumulation_compare import (TINY, ddp_suite, global_groups,
+from dtlib.chapters.ch08_gradient_accumulation.runs import (TINY, ddp_suite, global_groups,
                                         large_batch_grads, pad_collate,
                                         reference_steps, relative_error,
                                         variable_length_batches,
                                         variable_length_dataset)
-from dtlib.accumulation_seed import (SEED_BATCH_SIZE, scaler_with_bf16,
+from dtlib.chapters.ch08_gradient_accumulation.seed import (SEED_BATCH_SIZE, scaler_with_bf16,
                                      seed_accumulate, seed_epoch, seed_rebuilt_loader)
-from dtlib.ddp_compare import grads_of, params_of
+from dtlib.chapters.ch03_data_parallel.runs import grads_of, params_of
 from dtlib.exercises import WrongAnswer
 from dtlib.exercises.accumulation import check_allreduce_calls, check_loss_scale
-from dtlib.models import build_gpt, token_batch
+from dtlib.models.gpt import build_gpt, token_batch
 
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
 PARAM_TOL = dict(rtol=1e-4, atol=1e-5)

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from dtlib import launch
-from dtlib.checkpoint import (STATE_KEYS, ResumableSampler, atomic_save,
+from dtlib.runtime import launch
+from dtlib.checkpoint.state import (STATE_KEYS, ResumableSampler, atomic_save,
                               checkpoint_path, latest_checkpoint, list_checkpoints,
                               load_checkpoint, rng_state, set_rng_state)
-from dtlib.checkpoint_resume import (CrashDuringSave, SimulatedCrash,
+from dtlib.chapters.ch09_checkpointing.runs import (CrashDuringSave, SimulatedCrash,
                                      crafted_checkpoint, ddp_resume_proof,
                                      seed_resume_step, seed_save_name, train_run)
-from dtlib.exercises import WrongAnswer
-from dtlib.exercises import checkpoint as ex
-from dtlib.models import build_gpt
-from dtlib.sharded_checkpoint import (FSDP_CFG, dcp_load_full, fsdp_load_both,
-                                      fsdp_save_both, load_full)
+from dtlib.exercises import WrongAnswer, checkpoint as ex
+from dtlib.models.gpt import build_gpt
+from dtlib.chapters.ch09_checkpointing.sharded_runs import (FSDP_CFG, fsdp_load_both,
+                                                            fsdp_save_both)
+from dtlib.checkpoint.sharded import dcp_load_full, load_full
 
 TOTAL, STOP = 10, 7  # 5 batches per epoch: the crash falls inside the second epoch
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from dtlib import collectives as col
-from dtlib import comm_cost, launch
-from dtlib.exercises import WrongAnswer
-from dtlib.exercises import collectives as ex
+from dtlib.collectives import cost_model as comm_cost
+from dtlib.runtime import launch
+from dtlib.exercises import WrongAnswer, collectives as ex
 
 SIZES = (1, 3, 8, 10, 17)  # includes sizes below and not divisible by world sizes
 
@@ -95,7 +95,7 @@ def test_subgroup_uses_group_ranks() -> None:
 
 
 def _ring_bytes(numel: int) -> tuple[int, int]:
-    from dtlib.accounting import count_comms
+    from dtlib.collectives.accounting import count_comms
 
     with count_comms(functional=False) as log:
         col.ring_all_reduce(torch.ones(numel))

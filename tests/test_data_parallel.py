@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtlib import launch
-from dtlib.accounting import count_comms
-from dtlib.buckets import build_buckets
-from dtlib.data_parallel import MODES, DataParallel
-from dtlib.ddp_compare import TINY, grads_of, reference_training, train_replica
-from dtlib.models import MLP
+from dtlib.runtime import launch
+from dtlib.collectives.accounting import count_comms
+from dtlib.data_parallel.buckets import build_buckets
+from dtlib.data_parallel.ddp import MODES, DataParallel
+from dtlib.chapters.ch03_data_parallel.runs import TINY, grads_of, reference_training, train_replica
+from dtlib.models.gpt import MLP
 
 # count_comms(functional=False): DataParallel only calls dist.*, and the dispatch mode
 # would import DTensor in every fresh rank (seconds each on this machine).
@@ -232,7 +232,7 @@ def test_epoch_orders_checker(capsys) -> None:
 
 
 def test_sampler_padding_counts_a_sample_twice() -> None:
-    from dtlib import sampling
+    from dtlib.data_parallel import sampling
 
     padded = sampling.shards(10, 4)
     assert [len(s) for s in padded] == [3, 3, 3, 3]

@@ -1,12 +1,11 @@
-"""dtlib.dist: one place chooses backend and device, and validates its environment."""
+"""dtlib.runtime.dist: one place chooses backend and device, and validates its environment."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dtlib import dist as ddist
-from dtlib import launch
+from dtlib.runtime import dist as ddist, launch
 
 
 def test_gloo_is_chosen_on_a_cpu_machine(monkeypatch) -> None:

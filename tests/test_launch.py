@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from dtlib import dist as ddist
-from dtlib import launch
+from dtlib.runtime import dist as ddist, launch
 
 
 def _rank_and_sum() -> tuple[int, int, float, str]:
@@ -63,8 +63,16 @@ def test_spawn_rejects_bad_arguments() -> None:
         launch.spawn(_rank_and_sum, 0)
     with pytest.raises(ValueError, match="timeout"):
         launch.spawn(_rank_and_sum, 2, timeout=-1)
-    with pytest.raises(ValueError, match="importable"):
-        launch.spawn(lambda: None, 2)
+    with pytest.raises(ValueError, match="not callable"):
+        launch.spawn(42, 2)
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match="cannot be sent to the ranks"):
+        launch.spawn(lambda: lock.locked(), 2)
+
+
+def test_spawn_sends_a_closure_by_value() -> None:
+    offset = 100
+    assert launch.spawn(lambda k: dist.get_rank() * k + offset, 2, 10) == [100, 110]
 
 
 def _script(tmp_path, body: str) -> str:
@@ -75,7 +83,7 @@ def _script(tmp_path, body: str) -> str:
 
 HELLO = """
     import torch, torch.distributed as dist
-    from dtlib import dist as ddist
+    from dtlib.runtime import dist as ddist
     world = ddist.init()
     t = torch.tensor([world.rank + 1.0])
     dist.all_reduce(t)
@@ -95,7 +103,7 @@ def test_torchrun_streams_whole_prefixed_lines(tmp_path, capsys) -> None:
 
 DEADLOCK = """
     import time, torch, torch.distributed as dist
-    from dtlib import dist as ddist
+    from dtlib.runtime import dist as ddist
     world = ddist.init()
     t = torch.ones(1)
     if world.rank == 0:
@@ -121,7 +129,7 @@ def test_torchrun_deadlock_is_stopped_and_reported(tmp_path, nproc, no_leftovers
 
 RAISES = """
     import torch.distributed as dist
-    from dtlib import dist as ddist
+    from dtlib.runtime import dist as ddist
     world = ddist.init()
     if world.rank == 2:
         raise RuntimeError("bad shard on rank two")

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from conftest import launched_processes
-from dtlib import launch
+from dtlib.runtime import launch
 
 WAIT_FOR_DEATH = """
     import os, signal, sys, time, torch, torch.distributed as dist
-    from dtlib import dist as ddist
+    from dtlib.runtime import dist as ddist
     world = ddist.init()
     dist.barrier()                      # everyone is up
     if world.rank == 1:
@@ -73,7 +73,7 @@ def test_spawn_names_a_killed_rank(no_leftovers) -> None:
 
 INTERRUPTED = """
     import sys, time
-    from dtlib import launch
+    from dtlib.runtime import launch
     try:
         launch.torchrun({hang!r}, nproc=2, timeout=300, stream=False)
     except KeyboardInterrupt:
@@ -84,7 +84,7 @@ INTERRUPTED = """
 
 HANG = """
     import time
-    from dtlib import dist as ddist
+    from dtlib.runtime import dist as ddist
     ddist.init()
     print("up", flush=True)
     time.sleep(600)
@@ -92,7 +92,7 @@ HANG = """
 
 HELLO = """
     import torch.distributed as dist
-    from dtlib import dist as ddist
+    from dtlib.runtime import dist as ddist
     ddist.init()
     dist.barrier()
 """
@@ -106,7 +106,7 @@ def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # wait until both ranks run the hang script
-            workers = launched_processes("-u -m dtlib.worker " + hang)
+            workers = launched_processes("-u -m dtlib.runtime.worker " + hang)
             if len(workers) == 2:
                 break
             time.sleep(0.2)

@@ -7,13 +7,12 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 import pytest
 import torch
 
-from dtlib.exercises import WrongAnswer
-from dtlib.exercises import memory as ex
-from dtlib.memory import (GB, PAPER_OMITS, TrainingConfig, activation_bytes,
+from dtlib.exercises import WrongAnswer, memory as ex
+from dtlib.memory.formulas import (GB, PAPER_OMITS, TrainingConfig, activation_bytes,
                           estimate, gpt_layer_activation_terms, measure_activations,
                           measure_gpt_layer, measure_model_states, model_state_bytes,
                           transformer_params)
-from dtlib.models import GPTConfig, build_gpt, token_batch
+from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 
 # Rajbhandari et al. 2020 (ZeRO), Table 1: per-device model-state memory in GB for
 # Psi params and DP degree N_d, columns P_os, P_os+g, P_os+g+p; K = 12, 2 + 2 + K
@@ -265,7 +264,7 @@ def test_planner_builds_headless():
     import matplotlib
 
     matplotlib.use("Agg")
-    from dtlib.planner import PRESETS, planner, plot_memory, preset_config
+    from dtlib.chapters.ch01_memory.figures import PRESETS, planner, plot_memory, preset_config
 
     fig = plot_memory(preset_config("GPT-3 6.7B", dp=8), device_gb=80)
     assert "fits 80 GB" in fig.axes[0].get_title()

@@ -18,17 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib import launch
-from dtlib.exercises import WrongAnswer
-from dtlib.exercises import pipeline_parallel as ex
-from dtlib.models import GPTConfig, build_gpt, token_batch
-from dtlib.pipeline_parallel import (balance, balanced_layers, gpt_layer_costs,
+from dtlib.runtime import launch
+from dtlib.exercises import WrongAnswer, pipeline_parallel as ex
+from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.pipeline_parallel.split import (balance, balanced_layers, gpt_layer_costs,
                                      layers_from_split_points, split_gpt, stage_costs)
-from dtlib.pp_causal import (UnmaskedSelfAttention, future_influence,
+from dtlib.chapters.ch06_pipeline_parallel.seed import (UnmaskedSelfAttention, future_influence,
                              token_future_influence)
-from dtlib.pp_compare import (IMPLS, PP_GPT, compare_all, lm_loss, reference_training,
+from dtlib.chapters.ch06_pipeline_parallel.runs import (IMPLS, PP_GPT, compare_all, lm_loss, reference_training,
                               train_teaching)
-from dtlib.pp_schedules import (bubble_fraction, idle_fractions, in_flight_peak,
+from dtlib.pipeline_parallel.schedules import (bubble_fraction, idle_fractions, in_flight_peak,
                                 pipeline_step, schedule_order, simulate)
 
 #: fp32, a few AdamW steps at lr 1e-2 (parameters move ~5e-2). The loss and step-0

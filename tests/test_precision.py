@@ -9,13 +9,13 @@ import torch
 
 from dtlib import precision as P
 from dtlib.bench import matmul
-from dtlib.exercises import WrongAnswer
-from dtlib.exercises import precision as ex
-from dtlib.loss_scaling import (DynamicLossScaler, grad_scaler_available,
-                                scaler_trajectory, simulate_scale)
-from dtlib.mixed_precision import (ManualMixedPrecision, flushed_fraction,
-                                   state_bytes_per_param, train_losses)
-from dtlib.models import GPTConfig, build_gpt
+from dtlib.exercises import WrongAnswer, precision as ex
+from dtlib.chapters.ch07_mixed_precision.runs import scaler_trajectory, train_losses
+from dtlib.precision.loss_scaling import (DynamicLossScaler, grad_scaler_available,
+                                          simulate_scale)
+from dtlib.precision.mixed_precision import (ManualMixedPrecision, flushed_fraction,
+                                             state_bytes_per_param)
+from dtlib.models.gpt import GPTConfig, build_gpt
 
 
 @pytest.mark.parametrize("row", P.format_table(), ids=lambda r: r["format"])

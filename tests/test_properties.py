@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtlib.collectives import chunk_bounds
+from dtlib.collectives.algorithms import chunk_bounds
 from dtlib.exercises.strip import BEGIN, END, strip_source
-from dtlib.memory import model_state_bytes
+from dtlib.memory.formulas import model_state_bytes
 
 
 @given(numel=st.integers(0, 10_000), world_size=st.integers(1, 64))

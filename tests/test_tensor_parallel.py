@@ -16,16 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtlib import launch
+from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer
 from dtlib.exercises.tensor_parallel import check_f_g_placement, check_tp_numbers
-from dtlib.models import GPTConfig, build_gpt
-from dtlib.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tp,
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, copy_to_tp,
                                    full_linear, gather_from_tp, reduce_from_tp,
                                    scatter_to_tp)
-from dtlib.tp_compare import (TINY, mlp_pair_comms, reference_linear_pair,
+from dtlib.chapters.ch05_tensor_parallel.runs import (TINY, mlp_pair_comms, reference_linear_pair,
                               reference_training, train_tp)
-from dtlib.tp_gpt import block_tp_numbers, tensor_parallelize
+from dtlib.tensor_parallel.gpt import block_tp_numbers, tensor_parallelize
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-4, atol=1e-5)

@@ -1,7 +1,7 @@
 """The capstone script (dtlib.train): it equals its single-process reference, resumes
 exactly, refuses what cannot fit, and names bad flags.
 
-Launches go through dtlib.launch.torchrun (real torchrun, ~5 s each on 2 cores);
+Launches go through dtlib.runtime.launch.torchrun (real torchrun, ~5 s each on 2 cores);
 the module fixture keeps them to five: DDP straight / crash / resume, FSDP crash /
 resume.
 """
@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dtlib import launch, train
-from dtlib.train import DoesNotFit, check_memory, lr_lambda, main, prepare_model
-from dtlib.train_config import TrainConfig, parse_args
+from dtlib import train
+from dtlib.runtime import launch
+from dtlib.train.loop import DoesNotFit, check_memory, lr_lambda, main, prepare_model
+from dtlib.train.config import TrainConfig, parse_args
 
 STEPS = 8
 BASE = ["--steps", str(STEPS), "--save-every", "3", "--log-every", "4",

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtlib import launch
+from dtlib.runtime import launch
 from dtlib.bench.zero import ODD_MLP, TEST_GPT, reference_params, train_rank
-from dtlib.deepspeed_config import (consistent_world_sizes, deepspeed_config,
+from dtlib.zero.deepspeed_config import (consistent_world_sizes, deepspeed_config,
                                     validate_deepspeed_config)
-from dtlib.flat_params import FlatLayout, assign_units, default_unit_modules
-from dtlib.memory import model_state_bytes
-from dtlib.models import MLP, GPTConfig, build_gpt, token_batch
-from dtlib.zero import ZeRO, zero_comm_elements
+from dtlib.zero.flat_params import FlatLayout, assign_units, default_unit_modules
+from dtlib.memory.formulas import model_state_bytes
+from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
+from dtlib.zero.optimizer import ZeRO, zero_comm_elements
 
 #: fp32: after 5 AdamW steps (lr 1e-2, so parameters move up to ~5e-2) every parameter
 #: is within 1e-4 of single-process training; the difference is summation order only.

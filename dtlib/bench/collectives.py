@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib import comm_cost, launch
+from dtlib.collectives import cost_model as comm_cost
+from dtlib.runtime import launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 DEFAULT_SIZES = ("1K", "16K", "256K", "1M", "4M", "16M", "64M")

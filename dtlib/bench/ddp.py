@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dtlib import launch
-from dtlib.ddp_compare import VARIANTS, compare_variants
-from dtlib.models import GPTConfig
+from dtlib.runtime import launch
+from dtlib.chapters.ch03_data_parallel.runs import VARIANTS, compare_variants
+from dtlib.models.gpt import GPTConfig
 
 #: ~9.7M parameters: 4 blocks of width 448 (12 h^2 per block) plus embeddings.
-BENCH_CFG = GPTConfig(vocab_size=256, seq_len=64, n_layers=4, hidden=448, n_heads=8)
+from dtlib.models.sizes import size
+
+BENCH_CFG = size("bench-ddp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib import launch
+from dtlib.runtime import launch
 
 HELLO = textwrap.dedent("""
     import torch, torch.distributed as dist
-    from dtlib import dist as ddist
+    from dtlib.runtime import dist as ddist
     ddist.init()
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dtlib.dist import world
+from dtlib.runtime.dist import world
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
           "fp16": torch.float16}

@@ -7,7 +7,7 @@ states one rank holds (max over ranks) against ``dtlib.memory.model_state_bytes`
 2 Psi / 3 Psi, and the median step time.
 
 :func:`train_rank` is what each rank runs; the tests and Chapter 4 call it through
-:func:`dtlib.launch.spawn` too.
+:func:`dtlib.runtime.launch.spawn` too.
 
 Taught in: Chapter 4 (the measurements behind its tables).
 """
@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib import launch
-from dtlib.dist import world
-from dtlib.models import MLP, GPTConfig, build_gpt, token_batch
+from dtlib.runtime import launch
+from dtlib.runtime.dist import world
+from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
 
 #: The GPT trained here: small enough for 4 CPU ranks, every size divisible by 4.
 BENCH_GPT = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=64, n_heads=4)
@@ -100,8 +100,8 @@ def train_rank(impl: str = "zero", stage: int = 3, model: str = "gpt", steps: in
 
     Taught in: Chapter 4, measured vs predicted.
     """
-    from dtlib.accounting import count_comms
-    from dtlib.zero import ZeRO, zero_comm_elements
+    from dtlib.collectives.accounting import count_comms
+    from dtlib.zero.optimizer import ZeRO, zero_comm_elements
 
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} not allowed; allowed: {IMPLS}")
@@ -116,7 +116,7 @@ def train_rank(impl: str = "zero", stage: int = 3, model: str = "gpt", steps: in
         wrapped = ZeRO(net, stage, lr=lr, weight_decay=0.1)
         opt: Any = wrapped
     else:
-        from dtlib.fsdp import bf16_policy, shard_fsdp2
+        from dtlib.zero.fsdp import bf16_policy, shard_fsdp2
 
         wrapped = shard_fsdp2(net, mp_policy=bf16_policy() if bf16 else None)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=lr, weight_decay=0.1)
@@ -139,14 +139,14 @@ def train_rank(impl: str = "zero", stage: int = 3, model: str = "gpt", steps: in
             if impl == "zero":
                 state = wrapped.state_bytes()
             else:
-                from dtlib.fsdp import fsdp_state_bytes
+                from dtlib.zero.fsdp import fsdp_state_bytes
 
                 state = fsdp_state_bytes(wrapped, opt)
         opt.zero_grad()
     if impl == "zero":
         params = wrapped.full_parameters()
     else:
-        from dtlib.fsdp import full_parameters
+        from dtlib.zero.fsdp import full_parameters
 
         params = full_parameters(wrapped)
     out = {"impl": impl, "stage": stage, "world_size": world_size,
@@ -190,7 +190,7 @@ def compare_all(model: str = "gpt", steps: int = 5, gpt: dict | None = None
 
 def to_record(per_rank: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """One benchmark record from every rank's :func:`train_rank` result."""
-    from dtlib.memory import model_state_bytes
+    from dtlib.memory.formulas import model_state_bytes
 
     r0 = per_rank[0]
     n, stage, world_size = r0["n_params"], r0["stage"], r0["world_size"]

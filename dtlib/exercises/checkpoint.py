@@ -13,8 +13,8 @@ from unittest import mock
 
 import torch
 
-from dtlib.checkpoint import STATE_KEYS
-from dtlib.checkpoint_resume import CrashDuringSave, SimulatedCrash, train_run
+from dtlib.checkpoint.state import STATE_KEYS
+from dtlib.chapters.ch09_checkpointing.runs import CrashDuringSave, SimulatedCrash, train_run
 from dtlib.exercises import WrongAnswer, passed
 
 _STRAIGHT: dict[int, torch.Tensor] = {}
@@ -23,7 +23,7 @@ _STRAIGHT: dict[int, torch.Tensor] = {}
 def check_resume_keys(keys: Iterable[str], total_steps: int = 10,
                       stop_at: int = 7) -> None:
     """Check that restoring only ``keys`` (from :data:`dtlib.checkpoint.STATE_KEYS`)
-    resumes :func:`dtlib.checkpoint_resume.train_run` bit for bit.
+    resumes :func:`dtlib.chapters.ch09_checkpointing.runs.train_run` bit for bit.
 
     The run is trained ``total_steps`` straight, and again with a crash after
     ``stop_at`` steps and a resume that restores ``keys`` only.

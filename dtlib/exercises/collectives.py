@@ -1,7 +1,7 @@
 """Checkers for Chapter 2, "Collectives": answers are checked on real ranks.
 
 A function written in a notebook cell cannot be imported by the ranks that
-:func:`dtlib.launch.spawn` forks (it lives in the kernel's ``__main__``). So the
+:func:`dtlib.runtime.launch.spawn` forks (it lives in the kernel's ``__main__``). So the
 all-gather checker sends the function's *source* (``inspect.getsource``) to every rank,
 which executes it in a fresh namespace holding ``torch`` and ``dist``. The function
 must therefore be self-contained: it may use ``torch``, ``dist`` (torch.distributed)
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtlib import launch
+from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer, passed
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
@@ -33,7 +33,7 @@ def _load(source: str, name: str) -> Callable[..., Any]:
 
 def _check_all_gather_on_rank(source: str, name: str) -> list[str]:
     """On every rank: run the learner's all-gather on several shapes; list problems."""
-    from dtlib.accounting import count_comms
+    from dtlib.collectives.accounting import count_comms
 
     fn = _load(source, name)
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -103,8 +103,8 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
 
 
 def _ring_bytes_sent(nbytes: int) -> int:
-    from dtlib.accounting import count_comms
-    from dtlib.collectives import ring_all_reduce
+    from dtlib.collectives.accounting import count_comms
+    from dtlib.collectives.algorithms import ring_all_reduce
 
     with count_comms(functional=False) as log:
         ring_all_reduce(torch.ones(nbytes // 4))

@@ -1,7 +1,7 @@
 """Checkers for Chapter 3, "Data parallel".
 
 How the learner's hook reaches the ranks: a function defined in a notebook cell cannot
-be imported by the processes :func:`dtlib.launch.spawn` starts (they do not run the
+be imported by the processes :func:`dtlib.runtime.launch.spawn` starts (they do not run the
 notebook). So the checker sends the function's *source* (``inspect.getsource``; IPython
 keeps every cell's text) and each rank ``exec``s it in a fresh namespace holding ``torch``
 and ``dist``. The hook must therefore be self-contained: no names from other cells
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtlib import launch
+from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer, passed
 
 MICRO_BATCH = 2
@@ -39,9 +39,9 @@ def _run_hook(source: str, name: str) -> Any:
     """On each rank: torch DDP on the tiny GPT with the learner's comm hook, one step."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from dtlib.accounting import count_comms
-    from dtlib.ddp_compare import TINY, grads_of
-    from dtlib.models import build_gpt, token_batch
+    from dtlib.collectives.accounting import count_comms
+    from dtlib.chapters.ch03_data_parallel.runs import TINY, grads_of
+    from dtlib.models.gpt import build_gpt, token_batch
 
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
     exec(compile(source, f"<your {name}>", "exec"), namespace)
@@ -76,7 +76,7 @@ def check_bucket_hook(hook: Callable[..., Any], world_size: int = 2) -> None:
     It runs as torch DDP's gradient hook on ``world_size`` real ranks; the gradients
     must equal one process's on the whole batch, with one all-reduce per bucket.
     """
-    from dtlib.ddp_compare import TINY, reference_training
+    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_training
 
     source, name = _source_of(hook)
     try:
@@ -116,7 +116,7 @@ def check_epoch_orders(epoch_orders: Callable[[int, int, int, int], list[list[in
     """Check ``epoch_orders(dataset_len, world_size, rank, epochs)``: the indices a
     rank's DistributedSampler (shuffle=True, seed=0) yields in each epoch, for a
     correct training loop."""
-    from dtlib import sampling
+    from dtlib.data_parallel import sampling
 
     dataset_len, world_size, epochs = 12, 2, 3
     answers = []

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dtlib import launch
+from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer, passed
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dtlib.exercises import WrongAnswer, check_close, passed
-from dtlib.memory import GB, TrainingConfig, estimate, model_state_bytes
+from dtlib.memory.formulas import GB, TrainingConfig, estimate, model_state_bytes
 
 # The model of the third exercise: a 13B-class GPT trained on 64 data-parallel GPUs.
 FIT_MODEL = dict(n_layers=40, hidden=5120, n_heads=40, vocab=50257, seq_len=2048,

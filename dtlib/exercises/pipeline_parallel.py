@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from dtlib.exercises import WrongAnswer, check_close, passed
-from dtlib.pp_schedules import bubble_fraction, in_flight_peak, schedule_order
+from dtlib.pipeline_parallel.schedules import bubble_fraction, in_flight_peak, schedule_order
 
 GRID = [(p, m) for p in (1, 2, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
 

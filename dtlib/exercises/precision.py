@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from dtlib.exercises import WrongAnswer, check_close, passed
-from dtlib.loss_scaling import simulate_scale
-from dtlib.precision import format_info
+from dtlib.precision.loss_scaling import simulate_scale
+from dtlib.precision.formats import format_info
 
 
 def check_format_constants(name: str, eps: float, smallest_subnormal: float) -> None:

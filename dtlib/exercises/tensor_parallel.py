@@ -7,11 +7,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from dtlib import launch
+from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer, check_close, passed
-from dtlib.tensor_parallel import (copy_to_tp, full_linear, reduce_from_tp, tp_rank,
+from dtlib.tensor_parallel.layers import (copy_to_tp, full_linear, reduce_from_tp, tp_rank,
                                    tp_size)
-from dtlib.tp_gpt import block_tp_numbers
+from dtlib.tensor_parallel.gpt import block_tp_numbers
 
 POSITIONS = ("before_column", "between", "after_row")
 CHOICES = ("none", "f", "g")
@@ -98,7 +98,7 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
     For one transformer block of the book's GPT (qkv, proj, fc, fc_proj split; fp32):
     the parameters one rank stores in those four layers, and the bytes it all-reduces
     in one training step (forward + backward). The truth is
-    :func:`dtlib.tp_gpt.block_tp_numbers`, which the tests check against real ranks.
+    :func:`dtlib.tensor_parallel.gpt.block_tp_numbers`, which the tests check against real ranks.
     """
     for h, b, s, tp in cases:
         got = predict(h, b, s, tp)

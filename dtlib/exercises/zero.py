@@ -90,7 +90,7 @@ def check_stage_memory(fn: Callable[[int, int, int], int]) -> None:
     """Check ``fn(n_params, zero_stage, world_size)``: model-state bytes per device
     for mixed-precision Adam (2 + 2 + 12 bytes per parameter, ZeRO paper K = 12),
     sharded terms rounded up to whole parameters per rank."""
-    from dtlib.memory import model_state_bytes
+    from dtlib.memory.formulas import model_state_bytes
 
     for n, stage, world_size in ((7_500_000_000, 0, 64), (7_500_000_000, 1, 64),
                                  (7_500_000_000, 2, 64), (7_500_000_000, 3, 64),

@@ -1,0 +1,158 @@
+"""Figures of Chapter 2: every rank's tensor before and after each collective, the ring
+step by step, and bus bandwidth against message size.
+
+The rank functions that produce the states live in
+:mod:`dtlib.chapters.ch02_collectives.runs`; these draw them in the notebook. matplotlib is
+imported only inside the plotting functions.
+
+Taught in: Chapter 2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+PRIMITIVES = ("broadcast", "reduce", "all_reduce", "gather", "scatter", "all_gather",
+              "reduce_scatter", "all_to_all", "send/recv", "barrier")
+
+
+def _draw_rows(ax: Any, rows: list[list[int] | None], title: str, timing: bool,
+               width: int) -> None:
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    for rank, row in enumerate(rows):
+        y = len(rows) - 1 - rank
+        if row is None:
+            ax.text(0, y, "(no buffer)", va="center", ha="left", color="0.5",
+                    fontsize=8)
+            continue
+        for j, v in enumerate(row):
+            color = "0.85" if timing or v >= 100 * len(rows) else cmap(v // 100)
+            ax.add_patch(plt.Rectangle((j - 0.5, y - 0.4), 1, 0.8, color=color,
+                                       alpha=0.6 if not timing else 1.0))
+            ax.text(j, y, f"{v}" + (" ms" if timing else ""), ha="center",
+                    va="center", fontsize=7)
+    ax.set_xlim(-0.6, width - 0.4)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in reversed(range(len(rows)))])
+    ax.set_xticks([])
+    ax.set_title(title)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+
+
+_FINDINGS = {
+    "broadcast": "broadcast: rank 0's tensor is copied to every rank",
+    "reduce": "reduce: only the root (rank 0) receives the sum",
+    "all_reduce": "all_reduce: every rank receives the sum",
+    "gather": "gather: the root receives every rank's tensor, in rank order",
+    "scatter": "scatter: the root's tensor is cut in n pieces, one per rank",
+    "all_gather": "all_gather: every rank receives every rank's tensor",
+    "reduce_scatter": "reduce_scatter: rank k receives the sum of piece k only",
+    "all_to_all": "all_to_all: element j of rank i goes to position i of rank j",
+    "send/recv": "send/recv: even ranks send, odd ranks receive; nobody else changes",
+    "barrier": "barrier: ranks arrive at different times and all leave together",
+}
+
+
+def plot_primitive(states: list[dict], name: str) -> Any:
+    """Draw every rank's buffer before and after primitive ``name``.
+
+    Args:
+        states: what :func:`primitive_states` returned on each rank (spawn's list).
+        name: one of :data:`PRIMITIVES`.
+    Returns:
+        The matplotlib figure.
+
+    Taught in: Chapter 2, "Every primitive".
+    """
+    import matplotlib.pyplot as plt
+
+    if name not in PRIMITIVES:
+        raise ValueError(f"name={name!r} is not a primitive; allowed: {PRIMITIVES}")
+    timing = name == "barrier"
+    before = [s[name][0] for s in states]
+    after = [s[name][1] for s in states]
+    width = max(len(r) for r in before + after if r)
+    fig, axes = plt.subplots(1, 2, figsize=(min(14, 3 + 1.1 * width), 0.5 * len(states)
+                                            + 1.4), sharey=True)
+    _draw_rows(axes[0], before, "before", timing, width)
+    _draw_rows(axes[1], after, "after", timing, width)
+    fig.suptitle(_FINDINGS[name])
+    # One label for both panels (two would collide under the narrow figures).
+    fig.supxlabel("time since a common origin" if timing else
+                  "element (colour: the rank it came from; grey: a sum)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ring_trace(traces: list[list[list[int]]]) -> Any:
+    """One panel per step: rows are ranks, columns chunks, changed cells highlighted."""
+    import matplotlib.pyplot as plt
+
+    n = len(traces)
+    steps = len(traces[0])
+    fig, axes = plt.subplots(1, steps, figsize=(2.0 * steps, 0.45 * n + 1.6),
+                             sharey=True)
+    full = int("1" * n)
+    for k, ax in enumerate(axes):
+        for rank in range(n):
+            row = traces[rank][k]
+            y = n - 1 - rank
+            for j, v in enumerate(row):
+                changed = k > 0 and v != traces[rank][k - 1][j]
+                color = ("tab:green" if v == full else
+                         "tab:orange" if changed else "0.9")
+                ax.add_patch(plt.Rectangle((j - 0.48, y - 0.4), 0.96, 0.8, color=color,
+                                           alpha=0.7))
+                ax.text(j, y, f"{v:0{n}d}"[::-1], ha="center", va="center",
+                        fontsize=6)
+        ax.set_xlim(-0.6, len(traces[0][0]) - 0.4)
+        ax.set_ylim(-0.6, n - 0.4)
+        ax.set_xticks(range(len(traces[0][0])), [f"c{j}" for j in range(len(row))])
+        ax.set_yticks(range(n), [f"rank {r}" for r in reversed(range(n))])
+        phase = "start" if k == 0 else ("reduce-scatter" if k < n else "all-gather")
+        ax.set_title(f"{phase}\nstep {k}" if k else phase, fontsize=9)
+    fig.suptitle("Ring all-reduce: after n-1 steps each rank owns one full chunk "
+                 "(green); n-1 more spread them (digit r = rank r's contribution)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_busbw(records: list[dict], op: str = "all_reduce",
+               fits: list[dict] | None = None) -> Any:
+    """Bus bandwidth against message size, torch vs ring, with the fitted model."""
+    import matplotlib.pyplot as plt
+
+    from dtlib.collectives import cost_model as comm_cost
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl, marker in (("torch", "o"), ("ring", "s")):
+        rs = sorted((r for r in records if r.get("op") == op and r.get("impl") == impl),
+                    key=lambda r: r["bytes"])
+        if not rs:
+            continue
+        line, = ax.plot([r["bytes"] for r in rs], [r["busbw_GBps"] for r in rs],
+                        marker=marker, label=f"{impl} (measured)")
+        fit = next((f for f in fits or [] if f["op"] == f"{op}_fit"
+                    and f["impl"] == impl), None)
+        if fit is not None:
+            n = rs[0]["world_size"]
+            alpha, beta = fit["alpha_us"] * 1e-6, 1e-9 / fit["link_GBps"]
+            octaves = math.log2(rs[-1]["bytes"] / rs[0]["bytes"])
+            xs = [rs[0]["bytes"] * 2 ** (i / 4) for i in range(int(4 * octaves) + 1)]
+            model = [x / comm_cost.collective_time("ring", op, x, n, alpha, beta) / 1e9
+                     * comm_cost.bus_bandwidth_factor(op, n) for x in xs]
+            ax.plot(xs, model, "--", color=line.get_color(),
+                    label=f"{impl}: alpha-beta fit")
+            ax.axvline(fit["crossover_bytes"], color=line.get_color(), lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{op}: latency dominates small messages, bandwidth large ones "
+                 "(dotted: crossover)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    return fig

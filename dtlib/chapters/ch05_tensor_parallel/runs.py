@@ -1,0 +1,186 @@
+"""Rank functions that put tensor parallelism next to one process (tests and Chapter 5).
+
+- :func:`reference_training`: one process, the full GPT (the truth);
+- :func:`train_tp`: one rank of the same training, tensor-parallel ("ours" or
+  "dtensor"), optionally with the seed's mistake of leaving out f (ERRATA 17);
+- :func:`mlp_pair_comms`: the collectives of one column -> row MLP pair, with and
+  without a needless all-gather between the layers (ERRATA 18);
+- :func:`init_scale`: activation scale through column -> row pairs, seed-style
+  independent std-1 shards versus slices of one sanely initialised weight (ERRATA 20).
+
+Taught in: Chapter 5, "Equal to one process" and "The seed's mistakes".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtlib.runtime import dist as ddist
+from dtlib.collectives.accounting import count_comms
+from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.models.reference import reference_gpt_run as reference_training
+from dtlib.models.reference import train_reference
+from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, full_linear,
+                                   tp_rank, tp_size)
+from dtlib.tensor_parallel.gpt import (dtensor_parallelize, full_tensors, parallel_param_count,
+                          tensor_parallelize)
+
+IMPLS = ("ours", "dtensor")
+#: Small enough that 4 ranks train it for 5 steps in well under a second.
+from dtlib.models.sizes import size
+
+TINY = size("tiny")
+
+
+class ColumnParallelLinearWithoutF(ColumnParallelLinear):
+    """The seed's column layer (ERRATA 17): no f, so the input gradient stays partial.
+
+    forward: ``F.linear`` on the replicated input, backward: each rank keeps only its
+    own slice's contribution to the input gradient (never summed). Teaching only.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def drop_f(model: nn.Module) -> nn.Module:
+    """Turn every :class:`ColumnParallelLinear` of ``model`` into the seed's (no f)."""
+    for m in model.modules():
+        if type(m) is ColumnParallelLinear:
+            m.__class__ = ColumnParallelLinearWithoutF
+    return model
+
+
+
+def train_tp(cfg: GPTConfig, impl: str, batch: int, steps: int, lr: float = 1e-3,
+             seed: int = 0, with_f: bool = True, count: bool = True) -> dict[str, Any]:
+    """One rank of tensor-parallel training of :func:`reference_training`'s GPT.
+
+    Every rank sees the whole batch (tensor parallelism splits the model, not the
+    data). The first step's collectives are counted, forward and backward apart.
+
+    Args:
+        cfg: the GPT; ``n_heads`` and ``4 * hidden`` divisible by the world size.
+        impl: ``"ours"`` (:func:`tensor_parallelize`) or ``"dtensor"``.
+        batch, steps, lr, seed: as :func:`reference_training`.
+        with_f: False reproduces ERRATA 17 (ours only).
+        count: record the first step's communication.
+    Returns:
+        ``losses``, ``grads`` (full, first step), ``params`` (full, after the last
+        step), ``local`` (this rank's replicated parameters after training, to compare
+        across ranks), ``counts`` (this rank's parameters, see
+        :func:`parallel_param_count`), ``comms`` (``{"forward": summary,
+        "backward": summary}``).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not allowed; allowed: {IMPLS}")
+    world = ddist.world()
+    model = build_gpt(cfg, seed).to(world.device)
+    if impl == "ours":
+        tensor_parallelize(model)
+        if not with_f:
+            drop_f(model)
+    else:
+        dtensor_parallelize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    out: dict[str, Any] = {"losses": [], "counts": parallel_param_count(model),
+                           "comms": {}}
+    for step in range(steps):
+        idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
+        if step == 0 and count:
+            # DTensor's collectives are functional: only the dispatch mode sees them
+            with count_comms(functional=impl == "dtensor") as fwd:
+                loss = model(idx, targets)[1]
+            with count_comms(functional=impl == "dtensor") as bwd:
+                loss.backward()
+            out["comms"] = {"forward": fwd.summary(), "backward": bwd.summary()}
+        else:
+            loss = model(idx, targets)[1]
+            loss.backward()
+        if step == 0:
+            out["grads"] = full_tensors(model, grads=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+    out["params"] = full_tensors(model)
+    out["local"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                    if not hasattr(p, "to_local") and not isinstance(
+                        model.get_submodule(n.rpartition(".")[0]),
+                        (ColumnParallelLinear, RowParallelLinear))}
+    return out
+
+
+def mlp_pair_comms(hidden: int, batch: int, gather_between: bool) -> dict[str, Any]:
+    """Forward and backward of one column -> GELU -> row pair, collectives counted.
+
+    Args:
+        hidden: model width h (the pair is h -> 4h -> h).
+        batch: rows of the replicated input.
+        gather_between: the seed's reading of ERRATA 18: all-gather the column output
+            and let the row layer split it again.
+    Returns:
+        ``{"forward": summary, "backward": summary, "out": output, "grad": input
+        gradient}`` (CPU tensors), the same on every rank.
+    """
+    world = ddist.world()
+    fc = ColumnParallelLinear(hidden, 4 * hidden, seed=1,
+                              gather_output=gather_between).to(world.device)
+    proj = RowParallelLinear(4 * hidden, hidden, seed=2,
+                             input_is_parallel=not gather_between).to(world.device)
+    x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(0))
+    x = x.to(world.device).requires_grad_()
+    with count_comms(functional=False) as fwd:
+        y = proj(F.gelu(fc(x)))
+    with count_comms(functional=False) as bwd:
+        y.pow(2).sum().backward()
+    return {"forward": fwd.summary(), "backward": bwd.summary(),
+            "out": y.detach().cpu(), "grad": x.grad.cpu()}
+
+
+def init_scale(hidden: int, pairs: int, batch: int = 64) -> dict[str, list[float]]:
+    """Std of the activations after each column -> GELU -> row pair, two inits.
+
+    ``"seed"``: every rank draws its shards with ``torch.randn`` (std 1) from its own
+    seed, as the seed tutorial does (ERRATA 20). ``"sliced"``: every shard is a slice
+    of one full ``nn.Linear``-initialised weight (:func:`full_linear`).
+
+    Returns:
+        ``{"seed": [std after pair 1, ...], "sliced": [...]}``; the input has std 1.
+    """
+    world = ddist.world()
+    out: dict[str, list[float]] = {}
+    for style in ("seed", "sliced"):
+        layers = []
+        for i in range(pairs):
+            fc = ColumnParallelLinear(hidden, 4 * hidden, seed=2 * i)
+            proj = RowParallelLinear(4 * hidden, hidden, seed=2 * i + 1)
+            if style == "seed":
+                gen = torch.Generator().manual_seed(1000 * tp_rank() + i)
+                with torch.no_grad():
+                    for lin in (fc, proj):
+                        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+            layers.append((fc.to(world.device), proj.to(world.device)))
+        x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(0))
+        x, stds = x.to(world.device), []
+        with torch.no_grad():
+            for fc, proj in layers:
+                x = proj(F.gelu(fc(x)))
+                stds.append(x.std().item())
+        out[style] = stds
+    out["tp"] = [float(tp_size())]
+    return out
+
+
+def reference_linear_pair(hidden: int, batch: int) -> dict[str, torch.Tensor]:
+    """One process: :func:`mlp_pair_comms`'s pair with full ``nn.Linear`` layers."""
+    fc, proj = full_linear(hidden, 4 * hidden, seed=1), full_linear(4 * hidden, hidden,
+                                                                   seed=2)
+    x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()
+    y = proj(F.gelu(fc(x)))
+    y.pow(2).sum().backward()
+    return {"out": y.detach(), "grad": x.grad}

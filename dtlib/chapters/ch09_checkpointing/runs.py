@@ -1,0 +1,251 @@
+"""Proving a resume: train N steps straight, or k steps, crash, load, and N - k more.
+
+:func:`train_run` is one small training job with every source of randomness a real one
+has: dropout (torch RNG), a random crop of each sample (Python ``random``), random token
+noise (NumPy), a shuffled sampler whose order changes each epoch, and a cosine learning
+rate. It can save, stop (the "crash": every object is dropped), and resume from the
+newest checkpoint restoring all or only some of the state, skipping the consumed batches
+arithmetically or by replaying the loader. Run under :func:`dtlib.runtime.launch.spawn` it
+trains with DDP. The chapter compares final parameters with ``torch.equal``.
+
+Also here: the seed tutorial's defects 36 and 39 as small reproductions.
+
+Taught in: Chapter 9, "Proof: the resumed run is the run".
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from dtlib.checkpoint.state import (STATE_KEYS, ResumableSampler, latest_checkpoint,
+                              load_checkpoint, rng_state, save_checkpoint,
+                              set_rng_state)
+from dtlib.runtime.dist import world
+from dtlib.models.gpt import GPTConfig, build_gpt
+
+__all__ = ["CropNoiseTokens", "RUN_CFG", "train_run", "ddp_resume_proof",
+           "seed_save_name", "seed_resume_name", "seed_resume_step", "Payload",
+           "crafted_checkpoint", "SimulatedCrash", "CrashDuringSave"]
+
+#: The chapter's model: dropout > 0 so that the torch RNG matters.
+from dtlib.models.sizes import size
+
+RUN_CFG = size("tiny-dropout")
+
+
+class CropNoiseTokens(Dataset):
+    """Token windows with a random crop (Python RNG) and random noise (NumPy RNG).
+
+    ``loads`` counts ``__getitem__`` calls; ``load_cost_s`` makes each load cost time,
+    as decoding and augmenting a real sample does.
+    """
+
+    def __init__(self, n: int, cfg: GPTConfig = RUN_CFG, crop_slack: int = 8,
+                 load_cost_s: float = 0.0, seed: int = 1234) -> None:
+        if n < 1:
+            raise ValueError(f"n={n!r} must be a positive integer")
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, cfg.vocab_size, (n, cfg.seq_len + 1 + crop_slack),
+                                  generator=g)
+        self.cfg, self.slack, self.load_cost_s, self.loads = cfg, crop_slack, \
+            load_cost_s, 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.loads += 1
+        if self.load_cost_s:
+            time.sleep(self.load_cost_s)
+        start = random.randrange(self.slack + 1)
+        row = self.rows[i, start:start + self.cfg.seq_len + 1].clone()
+        noisy = torch.from_numpy(np.random.rand(len(row)) < 0.1)
+        row[noisy] = int(np.random.randint(self.cfg.vocab_size))
+        return row[:-1], row[1:]
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def train_run(total_steps: int, ckpt_dir: str | None = None, *,
+              save_every: int | None = None, stop_at: int | None = None,
+              resume: bool = False, restore: tuple[str, ...] | set[str] = STATE_KEYS,
+              replay: bool = False, dataset_len: int = 20, batch: int = 4,
+              load_cost_s: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Train :data:`RUN_CFG` ``total_steps`` steps, maybe saving, stopping, resuming.
+
+    Args:
+        total_steps: steps of the full run (the cosine schedule spans them).
+        ckpt_dir: where checkpoints go (needed to save or resume).
+        save_every: save after every ``save_every``-th step.
+        stop_at: "crash" after this step (return early, dropping every object).
+        resume: start from :func:`~dtlib.checkpoint.latest_checkpoint` when one exists.
+        restore: which state keys to restore (see :data:`~dtlib.checkpoint.STATE_KEYS`).
+        replay: position the data by iterating through the consumed batches (the seed's
+            way) instead of starting the sampler at its saved position.
+        dataset_len, batch: samples in the dataset; samples per rank per step.
+        load_cost_s: seconds each sample load costs.
+        seed: seeds model init; rank r seeds its generators with ``seed + r``.
+    Returns:
+        ``{"params": flat float32 tensor, "step", "losses", "lr", "loads",
+        "resume_s": seconds from loading to the first resumed step, "start_step"}``.
+
+    Taught in: Chapter 9, "Proof: the resumed run is the run".
+    """
+    for name, value in (("total_steps", total_steps), ("batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if (save_every or resume) and ckpt_dir is None:
+        raise ValueError("ckpt_dir=None: saving or resuming needs a directory")
+    w = world()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if \
+        dist.is_initialized() else (0, 1)
+    _seed_all(seed + rank)
+    model = build_gpt(RUN_CFG, seed).to(w.device)
+    if world_size > 1:
+        ids = [w.device] if w.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps)
+    data = CropNoiseTokens(dataset_len, load_cost_s=load_cost_s)
+    sampler = ResumableSampler(dataset_len, rank=rank, world_size=world_size, seed=seed)
+    # Its own generator: each iter(loader) draws a worker base seed, and drawing it
+    # from the global torch RNG would shift dropout after a resume.
+    loader = DataLoader(data, batch_size=batch, sampler=sampler,
+                        generator=torch.Generator().manual_seed(seed))
+    step = epoch = 0
+    t_load = None
+    it = None
+    if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
+        t_load = time.perf_counter()
+        meta = load_checkpoint(path, model, opt, sched, sampler, restore=restore)
+        step, epoch = meta["step"], meta["epoch"]
+        if replay:  # the seed's way: rewind the epoch, load and discard what was used
+            consumed = sampler.position
+            sampler.set_epoch(sampler.epoch)
+            generators = rng_state()  # loading samples draws crops and noise
+            it = iter(loader)
+            for _ in range(-(-consumed // batch)):
+                next(it)
+            set_rng_state(generators)
+    start_step, losses = step, []
+    it = iter(loader) if it is None else it
+    while step < total_steps:
+        try:
+            x, y = next(it)
+        except StopIteration:
+            epoch += 1
+            sampler.set_epoch(epoch)
+            it = iter(loader)
+            continue
+        x, y = x.to(w.device), y.to(w.device)
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        step += 1
+        losses.append(loss.item())
+        if t_load is not None and len(losses) == 1:
+            t_load = time.perf_counter() - t_load
+        if save_every and step % save_every == 0:
+            save_checkpoint(ckpt_dir, step, model, opt, sched, sampler, epoch=epoch)
+        if stop_at is not None and step >= stop_at:
+            break
+    inner = model.module if hasattr(model, "module") else model
+    params = torch.cat([p.detach().float().flatten().cpu() for p in inner.parameters()])
+    return {"params": params, "step": step, "losses": losses,
+            "lr": sched.get_last_lr()[0], "loads": data.loads,
+            "resume_s": t_load if isinstance(t_load, float) and start_step else 0.0,
+            "start_step": start_step}
+
+
+def ddp_resume_proof(ckpt_dir: str, total_steps: int, stop_at: int,
+                     restore: tuple[str, ...] | set[str] = STATE_KEYS
+                     ) -> dict[str, Any]:
+    """On every rank of a DDP job: the straight run, then crash-and-resume; compare.
+
+    The resumed half starts from objects built from scratch (the first half's were
+    dropped when :func:`train_run` returned).
+
+    Returns:
+        ``{"equal": torch.equal of the final parameters, "max_abs_diff",
+        "straight", "resumed"}`` (flat parameter tensors).
+
+    Taught in: Chapter 9, "Proof with DDP".
+    """
+    straight = train_run(total_steps)["params"]
+    train_run(total_steps, ckpt_dir, save_every=stop_at, stop_at=stop_at)
+    resumed = train_run(total_steps, ckpt_dir, resume=True, restore=restore)["params"]
+    return {"equal": torch.equal(straight, resumed),
+            "max_abs_diff": (straight - resumed).abs().max().item(),
+            "straight": straight, "resumed": resumed}
+
+
+# ---- ERRATA 36: the name written is not the name looked for --------------------------
+
+def seed_save_name(epoch: int, step: int) -> str:
+    """The file name the seed tutorial *saves* under (ERRATA 36)."""
+    return f"checkpoint_epoch{epoch}_step{step}.pt"
+
+
+def seed_resume_name(epoch: int) -> str:
+    """The file name the seed tutorial *looks for* when resuming epoch ``epoch``."""
+    return f"checkpoint_epoch{epoch - 1}_latest.pt"
+
+
+def seed_resume_step(ckpt_dir: str, epoch: int) -> int:
+    """The step the seed's resume logic starts from: 0 unless its name exists."""
+    path = os.path.join(ckpt_dir, seed_resume_name(epoch))
+    if os.path.exists(path):
+        return int(torch.load(path, weights_only=True)["step"])
+    return 0  # silently: no error, no warning, training restarts
+
+
+# ---- ERRATA 39: a checkpoint is a pickle, and a pickle is a program ------------------
+
+class Payload:
+    """Unpickling this runs ``code`` (here: it writes a marker file)."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (exec, (self.code,))
+
+
+def crafted_checkpoint(path: str, marker: str) -> str:
+    """Save a checkpoint-looking file whose loading writes ``marker`` (harmless demo).
+
+    Taught in: Chapter 9, "Loading is executing".
+    """
+    code = f"open({marker!r}, 'w').write('code ran during torch.load')"
+    torch.save({"step": 7, "model": {"w": torch.zeros(2)}, "x": Payload(code)}, path)
+    return path
+
+
+# ---- ERRATA 38: a crash in the middle of writing -------------------------------------
+
+class SimulatedCrash(RuntimeError):
+    """Raised while a checkpoint is being written: the process "dies" mid-save."""
+
+
+class CrashDuringSave:
+    """Put this in a state dict: pickling it raises :class:`SimulatedCrash`, so
+    ``torch.save`` stops part-way, as a killed process would."""
+
+    def __reduce__(self) -> Any:
+        raise SimulatedCrash("the machine went down while the checkpoint was written")

@@ -1,0 +1,297 @@
+"""The whole training state, saved so that a resumed run *is* the interrupted run.
+
+A checkpoint that only holds the weights resumes a different run: the optimizer's
+moments restart at zero, the learning rate jumps back to its first value, the data
+order starts over and dropout draws different masks. This module saves everything a
+step depends on: model, optimizer, LR scheduler, step and epoch, the sampler's epoch
+and position within it, and the random number generators (Python, NumPy, torch CPU,
+and the CUDA device when there is one).
+
+Three habits make the files trustworthy:
+
+- **One name, used both ways.** :func:`checkpoint_path` builds the file name and
+  :func:`latest_checkpoint` finds files by parsing the *same* pattern.
+- **Atomic writes.** :func:`atomic_save` writes a temporary file in the target
+  directory, fsyncs it and ``os.replace``-s it: a crash leaves the old file or the new
+  one, never half of one.
+- **Safe loads.** Everything saved is tensors and plain containers, so
+  :func:`load_checkpoint` uses ``torch.load(weights_only=True)``, which refuses to run
+  code hidden in a pickle.
+
+Taught in: Chapter 9, "Checkpointing and resume".
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from dtlib.runtime.dist import world
+
+__all__ = ["CHECKPOINT_PATTERN", "checkpoint_path", "list_checkpoints",
+           "latest_checkpoint", "atomic_save", "rng_state", "set_rng_state",
+           "ResumableSampler", "STATE_KEYS", "save_checkpoint", "load_checkpoint"]
+
+#: The one file-name scheme, for writing and for finding (zero-padded: sorts by name).
+CHECKPOINT_PATTERN = "step{step:08d}.pt"
+_CHECKPOINT_RE = re.compile(r"^step(\d{8})\.pt$")
+
+#: What :func:`save_checkpoint` writes; :func:`load_checkpoint` can restore a subset.
+STATE_KEYS = ("model", "optimizer", "scheduler", "sampler", "rng_torch", "rng_python",
+              "rng_numpy", "rng_cuda")
+
+
+def checkpoint_path(ckpt_dir: str | os.PathLike, step: int) -> str:
+    """The file that holds the checkpoint taken after ``step`` optimizer steps.
+
+    Taught in: Chapter 9, "One name".
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative integer")
+    return os.path.join(os.fspath(ckpt_dir), CHECKPOINT_PATTERN.format(step=step))
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, str]]:
+    """``[(step, path), ...]`` of the complete checkpoints in ``ckpt_dir``, by step.
+
+    Temporary files of an unfinished :func:`atomic_save` do not match the pattern.
+    """
+    ckpt_dir = os.fspath(ckpt_dir)
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(ckpt_dir, name))
+             for name in os.listdir(ckpt_dir) if (m := _CHECKPOINT_RE.match(name))]
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> str | None:
+    """The path of the newest checkpoint in ``ckpt_dir``, or None when there is none.
+
+    Taught in: Chapter 9, "One name".
+    """
+    found = list_checkpoints(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> str:
+    """``torch.save(obj)`` to ``path`` so that ``path`` is never half-written.
+
+    The bytes go to a temporary file in the same directory (``os.replace`` is atomic
+    only within one file system), which is flushed and fsynced before it replaces
+    ``path``; the directory is fsynced so the rename itself survives a power cut.
+
+    Args:
+        obj: what to save (tensors and plain containers).
+        path: the final file.
+    Returns:
+        ``path``.
+
+    Taught in: Chapter 9, "Atomic writes".
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator a training step draws from, as tensors and plain values.
+
+    Returns:
+        ``{"rng_torch", "rng_python", "rng_numpy"}`` and ``"rng_cuda"`` (None on CPU);
+        loadable with ``torch.load(weights_only=True)``.
+
+    Taught in: Chapter 9, "What a step depends on".
+    """
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    device = world().device
+    return {
+        "rng_torch": torch.get_rng_state(),
+        "rng_python": {"version": version, "state": list(internal), "gauss": gauss},
+        "rng_numpy": {"name": str(name),
+                      "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached": float(cached)},
+        "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+def set_rng_state(state: dict[str, Any], keys: tuple[str, ...] | set[str] = STATE_KEYS
+                  ) -> None:
+    """Restore the generators saved by :func:`rng_state` (only those in ``keys``)."""
+    if "rng_torch" in keys:
+        torch.set_rng_state(state["rng_torch"])
+    if "rng_python" in keys:
+        p = state["rng_python"]
+        random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if "rng_numpy" in keys:
+        n = state["rng_numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached"]))
+    if "rng_cuda" in keys and state.get("rng_cuda") is not None:
+        torch.cuda.set_rng_state(state["rng_cuda"], world().device)
+
+
+class ResumableSampler(Sampler[int]):
+    """A shuffling, rank-sharding sampler that can start in the middle of an epoch.
+
+    Like ``DistributedSampler`` (shuffle with ``seed + epoch``, rank r takes every
+    world_size-th index, padded to equal length), plus a position: the number of this
+    rank's samples already consumed in the epoch. Resuming skips them *arithmetically*
+    (slicing the index list) instead of loading and throwing away the batches before.
+    The position counts indices handed out, exact with ``num_workers=0``; with worker
+    processes prefetching, set it from the batches the training loop really consumed.
+
+    Taught in: Chapter 9, "Resume without replaying the loader".
+    """
+
+    def __init__(self, dataset_len: int, *, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True) -> None:
+        if not isinstance(dataset_len, int) or dataset_len < 1:
+            raise ValueError(f"dataset_len={dataset_len!r} must be a positive integer")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
+        self.dataset_len, self.rank, self.world_size = dataset_len, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.position = 0, 0
+        self.num_samples = -(-dataset_len // world_size)  # ceil: padded like DDP
+
+    def indices(self) -> list[int]:
+        """This rank's indices for the whole current epoch."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        total = self.num_samples * self.world_size
+        order += order[: total - len(order)]
+        return order[self.rank:total:self.world_size]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning."""
+        self.epoch, self.position = epoch, 0
+
+    def __iter__(self) -> Iterator[int]:
+        for index in self.indices()[self.position:]:
+            self.position += 1
+            yield index
+
+    def __len__(self) -> int:
+        return self.num_samples - self.position
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position", "seed"}``: enough to continue where we stopped."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at ``state``'s epoch and position (the seed must agree)."""
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"state seed={state['seed']} differs from seed={self.seed}")
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                    sampler: ResumableSampler | None = None, epoch: int = 0
+                    ) -> str | None:
+    """Save the whole training state after ``step`` steps, atomically.
+
+    Model, optimizer and scheduler are replicated (plain data parallelism): rank 0
+    writes them. The RNG and sampler states differ per rank: they are gathered to
+    rank 0 and saved as one list entry per rank. (Sharded models need
+    :mod:`dtlib.checkpoint.sharded` instead.) Every rank must call this.
+
+    Args:
+        ckpt_dir: directory of checkpoints; the file is :func:`checkpoint_path`.
+        step: optimizer steps done; epoch: the epoch the step belongs to.
+        model, optimizer, scheduler, sampler: the live training objects.
+    Returns:
+        The path written (rank 0), None on other ranks.
+
+    Taught in: Chapter 9, "The whole state".
+    """
+    per_rank = {**rng_state(), "sampler": sampler.state_dict() if sampler else None}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, per_rank)
+    else:
+        gathered = [per_rank]
+    path = None
+    if world().rank == 0:
+        state = {"step": step, "epoch": epoch, "world_size": len(gathered),
+                 "model": _unwrap(model).state_dict(),
+                 "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict() if scheduler else None,
+                 "per_rank": gathered}
+        path = atomic_save(state, checkpoint_path(ckpt_dir, step))
+    if dist.is_initialized():
+        dist.barrier()  # nobody looks for the file before it exists
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any = None,
+                    sampler: ResumableSampler | None = None,
+                    restore: tuple[str, ...] | set[str] = STATE_KEYS) -> dict[str, int]:
+    """Restore a :func:`save_checkpoint` file into live objects (``weights_only``).
+
+    Args:
+        path: the checkpoint file.
+        model, optimizer, scheduler, sampler: objects built as for a fresh run.
+        restore: which parts of :data:`STATE_KEYS` to restore (all by default; the
+            book restores fewer to show what each one is for).
+    Returns:
+        ``{"step", "epoch"}`` to continue from.
+
+    Taught in: Chapter 9, "The whole state".
+    """
+    unknown = set(restore) - set(STATE_KEYS)
+    if unknown:
+        raise ValueError(f"restore={sorted(unknown)} unknown; allowed: {STATE_KEYS}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    rank = world().rank
+    if state["world_size"] != (dist.get_world_size() if dist.is_initialized() else 1):
+        raise ValueError(f"{path} was saved by {state['world_size']} ranks; this job "
+                         "has a different world size (per-rank RNG would not match)")
+    if "model" in restore:
+        _unwrap(model).load_state_dict(state["model"])
+    if "optimizer" in restore and optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if "scheduler" in restore and scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    mine = state["per_rank"][rank]
+    if "sampler" in restore and sampler is not None:
+        sampler.load_state_dict(mine["sampler"])
+    set_rng_state(mine, restore)
+    return {"step": state["step"], "epoch": state["epoch"]}

@@ -1,0 +1,28 @@
+"""Chapter 2: collectives built from send and receive, their cost, and counting them.
+
+- :mod:`~dtlib.collectives.algorithms`: ring all-reduce / reduce-scatter / all-gather,
+  tree broadcast, the naive all-reduce.
+- :mod:`~dtlib.collectives.cost_model`: the alpha-beta model and bus bandwidth.
+- :mod:`~dtlib.collectives.accounting`: which collectives a step ran, and how many bytes
+  (:mod:`~dtlib.collectives.comm_log` holds the records).
+"""
+
+from __future__ import annotations
+
+from dtlib.collectives.algorithms import (chunk_bounds, all_gather_into,
+                                          reduce_scatter_into, ring_all_reduce,
+                                          ring_all_reduce_trace, ring_reduce_scatter,
+                                          ring_all_gather, tree_broadcast,
+                                          naive_all_reduce)
+from dtlib.collectives.cost_model import (cost_terms, collective_time,
+                                          bus_bandwidth_factor, bytes_sent_per_rank,
+                                          fit_alpha_beta, latency_bandwidth_crossover)
+from dtlib.collectives.comm_log import (OPS, CommRecord, CommLog, record, active)
+from dtlib.collectives.accounting import (count_comms, ddp_comm_hook_accounting)
+
+__all__ = ["chunk_bounds", "all_gather_into", "reduce_scatter_into", "ring_all_reduce",
+           "ring_all_reduce_trace", "ring_reduce_scatter", "ring_all_gather",
+           "tree_broadcast", "naive_all_reduce", "cost_terms", "collective_time",
+           "bus_bandwidth_factor", "bytes_sent_per_rank", "fit_alpha_beta",
+           "latency_bandwidth_crossover", "OPS", "CommRecord", "CommLog", "record",
+           "active", "count_comms", "ddp_comm_hook_accounting"]

@@ -1,0 +1,218 @@
+"""A teaching DDP in three steps: naive, bucketed, overlapped.
+
+``DataParallel(module, mode=...)`` wraps a model so that, when ``loss.backward()``
+returns, every rank holds the mean of all ranks' gradients, and the training loop is the
+one you would write for a single process::
+
+    model = DataParallel(build_gpt(cfg), mode="overlapped")
+    opt = torch.optim.AdamW(model.parameters())
+    loss = model(idx, targets)[1]
+    loss.backward()          # gradients are averaged across ranks here
+    opt.step()
+
+How it gets there:
+
+- every parameter gets a ``register_post_accumulate_grad_hook``: it fires once per
+  backward when that parameter's ``.grad`` is complete (a tied weight is one tensor, so
+  its hook fires once, after both uses have been summed);
+- the first hook of a backward queues :meth:`DataParallel._finish` on the autograd
+  engine (``Variable._execution_engine.queue_callback``, as torch DDP does), which runs
+  after the last gradient of the backward and before ``backward()`` returns;
+- ``naive``: ``_finish`` all-reduces each gradient (one call per tensor);
+- ``bucketed``: ``_finish`` all-reduces flat buckets (one call per bucket);
+- ``overlapped``: each hook counts its bucket; a full bucket starts an *asynchronous*
+  all-reduce at once, while backward goes on computing earlier layers; ``_finish`` only
+  waits. Buckets are launched strictly in index order, so every rank issues the same
+  collectives in the same order even when a bucket fills out of turn.
+
+Taught in: Chapter 3, "Three DDPs, one on another".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtlib.data_parallel.buckets import Bucket, allreduce_buckets, allreduce_grads, build_buckets
+
+MODES = ("naive", "bucketed", "overlapped")
+
+
+def sync_module_states(module: nn.Module, group: Any = None) -> int:
+    """Broadcast parameters and buffers from the group's rank 0 to every rank.
+
+    Replicas must start equal: a different random init per rank would make each rank
+    train a different model while their gradients are averaged as if they were one.
+
+    Args:
+        module: the model, on this rank's device.
+        group: the process group (default: the whole world).
+    Returns:
+        The number of broadcast calls (one per tensor; 0 on a group of one).
+
+    Taught in: Chapter 3, "Replicas start equal".
+    """
+    if dist.get_world_size(group) == 1:
+        return 0
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    calls = 0
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=src, group=group)
+            calls += 1
+    return calls
+
+
+class DataParallel(nn.Module):
+    """Data parallelism written out: the model is replicated, gradients are averaged.
+
+    Args:
+        module: the model, already on this rank's device (all parameters on one device).
+        mode: ``"naive"`` (one all-reduce per tensor after backward), ``"bucketed"`` (one
+            per bucket after backward) or ``"overlapped"`` (async bucket all-reduces
+            started during backward).
+        bucket_cap_mb: bucket size cap in MiB for the bucketed modes (> 0).
+        group: process group of the data-parallel ranks (default: the whole world).
+        timeline: record ``(event, index, time.perf_counter())`` tuples in
+            :attr:`events` (forward, each gradient ready, each bucket launched and done)
+            for the timeline figure. Off by default: it adds a clock read per hook.
+
+    Taught in: Chapter 3, "Three DDPs, one on another".
+    """
+
+    def __init__(self, module: nn.Module, *, mode: str = "naive",
+                 bucket_cap_mb: float = 25.0, group: Any = None,
+                 timeline: bool = False) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"module={type(module).__name__} must be a torch.nn.Module")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not allowed; allowed: {MODES}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("DataParallel needs an initialised process group: call "
+                             "dtlib.runtime.dist.init() first (or launch with dtlib.runtime.launch)")
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("module has no parameter with requires_grad=True")
+        devices = sorted({str(p.device) for p in params})
+        if len(devices) > 1:
+            raise ValueError(f"module parameters are on devices {devices}; all must be "
+                             "on one device (this rank's, see dtlib.runtime.dist.world().device)")
+        self.buckets: list[Bucket] = build_buckets(params, bucket_cap_mb)
+        self.module = module
+        self.mode = mode
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.params = params
+        self.events: list[tuple[str, int, float]] = []
+        self._timeline = timeline
+        self._sync_enabled = True  # False inside no_sync()
+        self._require_sync = True  # decided at forward time, as in torch DDP
+        self._queued = False
+        self._next = 0  # next bucket to launch (overlapped)
+        self._seen: set[int] = set()
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._index_of = {id(p): i for i, p in enumerate(params)}
+        sync_module_states(module, group)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                         for p in params]
+
+    # ---- the loop's face -----------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_sync = self._sync_enabled
+        self._mark("forward_start", -1)
+        out = self.module(*args, **kwargs)
+        self._mark("forward_end", -1)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient averaging for backward passes of forwards run inside.
+
+        Gradients accumulate locally in ``.grad``; the first synchronised backward
+        after it averages the accumulated sums. Use it for all micro-batches of a
+        gradient-accumulation step but the last (one all-reduce per step, not per
+        micro-batch).
+
+        Taught in: Chapter 3, "no_sync and gradient accumulation".
+        """
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the module no longer synchronises)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ---- during backward -----------------------------------------------------------
+    def _mark(self, name: str, index: int) -> None:
+        if self._timeline:
+            self.events.append((name, index, time.perf_counter()))
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._require_sync or self.world_size == 1:
+            return
+        if id(param) in self._seen:  # e.g. a second backward through a retained graph
+            return
+        self._seen.add(id(param))
+        self._mark("grad", self._index_of[id(param)])
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        if self.mode == "overlapped":
+            self._bucket_of[id(param)].ready += 1
+            self._launch_full_buckets()
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._mark("launch", bucket.index)
+        work = bucket.launch(self.group, async_op=True)
+        if self._timeline:
+            index = bucket.index
+            # Runs when the all-reduce completes (on the communication thread).
+            work.get_future().then(lambda _: self._mark("done", index))
+
+    def _launch_full_buckets(self) -> None:
+        while (self._next < len(self.buckets)
+               and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _finish(self) -> None:
+        """Autograd-engine callback: the end of backward; leave gradients averaged."""
+        self._queued = False
+        self._seen.clear()
+        self._mark("backward_end", -1)
+        if self.mode == "naive":
+            allreduce_grads(self.params, self.group)
+        elif self.mode == "bucketed":
+            allreduce_buckets(self.buckets, self.group)
+        else:
+            # Buckets holding a parameter that got no gradient never filled: send now.
+            while self._next < len(self.buckets):
+                self._launch(self.buckets[self._next])
+                self._next += 1
+            for b in self.buckets:
+                b.work.wait()
+                b.unflatten(self.world_size)
+            self._next = 0
+        self._mark("synced", -1)
+
+
+def allreduce_calls_per_step(model: DataParallel) -> int:
+    """All-reduce calls one synchronised step issues: tensors (naive) or buckets.
+
+    Taught in: Chapter 3, "Counting the messages".
+    """
+    if model.world_size == 1:
+        return 0
+    return len(model.params) if model.mode == "naive" else len(model.buckets)

@@ -1,0 +1,20 @@
+"""Chapter 6: pipeline parallelism.
+
+- :mod:`~dtlib.pipeline_parallel.split`: cutting the GPT into balanced stages.
+- :mod:`~dtlib.pipeline_parallel.schedules`: GPipe and 1F1B, simulated and run.
+"""
+
+from __future__ import annotations
+
+from dtlib.pipeline_parallel.split import (GPTStage, split_gpt, balanced_layers,
+                                           balance, gpt_layer_costs, stage_costs,
+                                           layers_from_split_points)
+from dtlib.pipeline_parallel.schedules import (SCHEDULES, Event, StepResult,
+                                               schedule_order, bubble_fraction,
+                                               simulate, idle_fractions, in_flight_peak,
+                                               pipeline_step)
+
+__all__ = ["GPTStage", "split_gpt", "balanced_layers", "balance", "gpt_layer_costs",
+           "stage_costs", "layers_from_split_points", "SCHEDULES", "Event",
+           "StepResult", "schedule_order", "bubble_fraction", "simulate",
+           "idle_fractions", "in_flight_peak", "pipeline_step"]

@@ -1,0 +1,25 @@
+"""Chapter 7: mixed precision.
+
+- :mod:`~dtlib.precision.formats`: fp32/fp16/bf16 bit layouts and what autocast does.
+- :mod:`~dtlib.precision.loss_scaling`: a dynamic loss scaler (GradScaler's algorithm).
+- :mod:`~dtlib.precision.mixed_precision`: fp32 master weights by hand.
+"""
+
+from __future__ import annotations
+
+from dtlib.precision.formats import (FORMAT_BITS, CUDA_LOW_PRECISION_OPS, CUDA_FP32_OPS,
+                                     torch_dtype, FormatInfo, format_info,
+                                     subnormal_from_bits, format_table, round_trip,
+                                     autocast_op_table, op_output_dtypes,
+                                     deprecated_amp_warnings)
+from dtlib.precision.loss_scaling import (DynamicLossScaler, simulate_scale,
+                                          grad_scaler_available)
+from dtlib.precision.mixed_precision import (LOW_DTYPES, MODES, ManualMixedPrecision,
+                                             state_bytes_per_param, flushed_fraction)
+
+__all__ = ["FORMAT_BITS", "CUDA_LOW_PRECISION_OPS", "CUDA_FP32_OPS", "torch_dtype",
+           "FormatInfo", "format_info", "subnormal_from_bits", "format_table",
+           "round_trip", "autocast_op_table", "op_output_dtypes",
+           "deprecated_amp_warnings", "DynamicLossScaler", "simulate_scale",
+           "grad_scaler_available", "LOW_DTYPES", "MODES", "ManualMixedPrecision",
+           "state_bytes_per_param", "flushed_fraction"]

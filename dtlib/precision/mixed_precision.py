@@ -1,0 +1,156 @@
+"""Mixed-precision training by hand (fp32 master weights, 16-bit compute) and autocast.
+
+The recipe of {cite:t}`micikevicius2018mixed`: keep an fp32 master copy of the weights
+and the optimizer's state; each step, copy the weights to 16 bits, run forward and
+backward there, cast the gradients up, and update the master copy in fp32. With fp16
+the loss is scaled so that small gradients survive; with bf16 (fp32's exponent range)
+it need not be.
+
+Taught in: Chapter 7, "Mixed-precision training".
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtlib.precision.loss_scaling import DynamicLossScaler
+from dtlib.models.gpt import GPT, GPTConfig, build_gpt, token_batch
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+MODES = ("fp32", "autocast", "manual")
+
+
+class ManualMixedPrecision:
+    """A 16-bit working copy of ``model`` for compute; ``model`` stays the fp32 master.
+
+    Args:
+        model: the fp32 master model; the optimizer must hold its parameters.
+        optimizer: an optimizer over ``model``'s parameters (its state stays fp32).
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        scaler: a :class:`DynamicLossScaler` (fp16), or None (bf16, or to show fp16
+            losing gradients without one).
+
+    Taught in: Chapter 7, "Mixed-precision training".
+    """
+
+    def __init__(self, model: GPT, optimizer: torch.optim.Optimizer,
+                 dtype: torch.dtype = torch.bfloat16,
+                 scaler: DynamicLossScaler | None = None) -> None:
+        if dtype not in LOW_DTYPES:
+            raise ValueError(f"dtype={dtype} must be one of {LOW_DTYPES}")
+        self.master = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.low = copy.deepcopy(model).to(dtype)  # deepcopy keeps tied weights tied
+        self.dtype = dtype
+
+    def backward(self, idx: torch.Tensor, targets: torch.Tensor,
+                 loss_weight: float = 1.0) -> torch.Tensor:
+        """Copy weights down, forward and backward in 16 bits, cast gradients up.
+
+        Args:
+            loss_weight: multiplies the loss before backward (1 in training).
+        Returns:
+            The (unscaled, unweighted) loss, fp32. Master ``.grad`` holds fp32
+            gradients, still multiplied by the scaler's S if there is one.
+        """
+        with torch.no_grad():
+            for lo, hi in zip(self.low.parameters(), self.master.parameters()):
+                lo.copy_(hi)  # rounds fp32 -> 16 bit
+        self.low.zero_grad(set_to_none=True)
+        logits = self.low(idx)  # (batch, seq, vocab), 16 bit
+        # The loss's log-softmax runs in fp32, as autocast does it.
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                               targets.reshape(-1))
+        weighted = loss * loss_weight
+        (self.scaler.scale(weighted) if self.scaler else weighted).backward()
+        for lo, hi in zip(self.low.parameters(), self.master.parameters()):
+            hi.grad = None if lo.grad is None else lo.grad.float()
+        return loss.detach()
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor,
+             clip: float | None = None) -> tuple[float, bool]:
+        """One training step. Returns ``(loss, stepped)``."""
+        loss = self.backward(idx, targets)
+        stepped = True
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.master.parameters(), clip)
+        if self.scaler is not None:
+            stepped = self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item(), stepped
+
+
+def state_bytes_per_param(mp: ManualMixedPrecision) -> dict[str, float]:
+    """Bytes per parameter held between steps, measured from the tensors themselves.
+
+    Gradients are counted as the 16-bit ones backward produced (the fp32 copy of a
+    gradient lives only inside a step). Returns keys params_16, grads_16, master_32,
+    optimizer, total.
+
+    Taught in: Chapter 7, "Mixed-precision training".
+    """
+    n = sum(p.numel() for p in mp.master.parameters())
+    low = list(mp.low.parameters())
+    opt_bytes = sum(t.numel() * t.element_size() for st in mp.optimizer.state.values()
+                    for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    out = {"params_16": sum(p.numel() * p.element_size() for p in low) / n,
+           "grads_16": sum(p.numel() * p.element_size() for p in low) / n,
+           "master_32": sum(p.numel() * p.element_size()
+                            for p in mp.master.parameters()) / n,
+           "optimizer": opt_bytes / n}
+    out["total"] = sum(out.values())
+    return out
+
+
+def flushed_fraction(dtype: torch.dtype, loss_scale: float = 1.0, *,
+                     loss_weight: float = 2.0 ** -12,
+                     cfg: GPTConfig | None = None, batch: int = 4,
+                     device: torch.device | str = "cpu",
+                     seed: int = 0) -> dict[str, Any]:
+    """How many gradient entries a 16-bit backward pass flushes to zero.
+
+    Runs one backward in fp32 (the reference) and one in ``dtype`` (the model copy of
+    :class:`ManualMixedPrecision`) with the loss multiplied by ``loss_scale`` and the
+    gradients divided by it again in fp32. ``loss_weight`` multiplies the loss of both
+    runs: a loss averaged over 4096 times more tokens (a real LLM batch) has gradients
+    about 4096 times smaller than this toy batch's, and ``2**-12`` stands in for that.
+
+    Returns:
+        ``{"flushed": fraction of entries nonzero in fp32 but zero in dtype,
+        "nonzero_ref": number of nonzero reference entries,
+        "min_abs_ref": smallest nonzero |grad| in the reference}``.
+
+    Taught in: Chapter 7, "Loss scaling".
+    """
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"dtype={dtype} must be one of {LOW_DTYPES}")
+    if not loss_weight > 0:
+        raise ValueError(f"loss_weight={loss_weight!r} must be > 0")
+    if not loss_scale > 0:
+        raise ValueError(f"loss_scale={loss_scale!r} must be > 0")
+    device = torch.device(device)
+    cfg = cfg or GPTConfig(n_layers=2, hidden=32, seq_len=16, vocab_size=64)
+    model = build_gpt(cfg, seed).to(device)
+    idx, tgt = token_batch(cfg, batch, seed=seed + 1, device=device)
+    _, loss = model(idx, tgt)
+    (loss * loss_weight).backward()
+    ref = torch.cat([p.grad.flatten() for p in model.parameters()])
+    scaler = DynamicLossScaler(init_scale=loss_scale) if loss_scale != 1.0 else None
+    mp = ManualMixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                              dtype, scaler)
+    mp.backward(idx, tgt, loss_weight)
+    low = torch.cat([p.grad.flatten() for p in model.parameters()]) / loss_scale
+    nonzero = ref != 0
+    return {"flushed": ((low == 0) & nonzero).sum().item() / nonzero.sum().item(),
+            "nonzero_ref": int(nonzero.sum().item()),
+            "min_abs_ref": ref[nonzero].abs().min().item()}

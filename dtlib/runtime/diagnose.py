@@ -1,0 +1,211 @@
+"""Reading what ranks left behind: where a hung rank was, and why a rank died.
+
+Used by :mod:`dtlib.runtime.launch` to turn a timeout into "rank 0 waits in all_reduce at line 7,
+rank 1 is at line 9 and never joined", and a crash into "rank 2 raised ValueError".
+
+Taught in: Chapter 0 (the deadlock demo) and Chapter 2 (rank-0-only reduce/gather).
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import re
+import signal
+import sysconfig
+from dataclasses import dataclass
+
+_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+|^Stack \(most recent")
+_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(
+    __import__("torch").__file__)))  # site-packages (torch and its deps live here)
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame of a stack dump."""
+
+    file: str
+    line: int
+    func: str
+
+
+def parse_stack(text: str) -> list[list[Frame]]:
+    """Split a faulthandler dump into threads, each a list of frames, innermost first."""
+    threads: list[list[Frame]] = []
+    for raw in text.splitlines():
+        if _THREAD.match(raw):
+            threads.append([])
+            continue
+        m = _FRAME.match(raw)
+        if m:
+            if not threads:
+                threads.append([])
+            threads[-1].append(Frame(m["file"], int(m["line"]), m["func"].strip()))
+    return [t for t in threads if t]
+
+
+def _is_library(path: str) -> bool:
+    if path.startswith("<"):  # <frozen runpy>, <string>
+        return True
+    path = os.path.abspath(path)
+    return path.startswith(_TORCH_DIR) or path.startswith(_STDLIB)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def where(threads: list[list[Frame]], script: str | None) -> tuple[Frame | None, str | None]:
+    """The reader's innermost frame and the torch.distributed call below it (if any).
+
+    Args:
+        threads: from :func:`parse_stack`.
+        script: the launched script; ``None`` picks the innermost frame outside torch
+            and the standard library.
+    Returns:
+        ``(frame, collective)``; ``collective`` is the name of the outermost
+        ``torch.distributed`` function called from that frame, e.g. ``"all_reduce"``.
+    """
+    for frames in threads:
+        for i, fr in enumerate(frames):
+            mine = _same_file(fr.file, script) if script else not _is_library(fr.file)
+            if not mine:
+                continue
+            deeper = frames[:i]  # innermost first
+            names = [f.func for f in deeper
+                     if f.file.endswith("distributed_c10d.py") and not f.func.startswith("_")]
+            if not names:
+                names = [f.func for f in deeper if os.sep + "distributed" + os.sep in f.file
+                         and f.func != "wrapper" and not f.func.startswith("_")]
+            return fr, (names[-1] if names else None)
+    return None, None
+
+
+def _source(frame: Frame) -> str:
+    return linecache.getline(frame.file, frame.line).strip()
+
+
+def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | None,
+                       label: str | None = None) -> str:
+    """One line saying where ``rank`` was when the launch timed out."""
+    if not alive:
+        return f"rank {rank}: had already exited; it never called what the others wait in"
+    if not stack:
+        return f"rank {rank}: alive but left no stack (still starting up, or not Python)"
+    frame, collective = where(parse_stack(stack), script)
+    if frame is None:
+        return f"rank {rank}: no frame of the script on its stack (still importing?)"
+    label = label or f"{os.path.basename(frame.file)} line"
+    place = f"{label} {frame.line}: {_source(frame)}"
+    if collective:
+        return f"rank {rank}: in {collective} at {place}  <- waiting for its peers"
+    return f"rank {rank}: at {place}  <- not in a collective: never joined the others"
+
+
+def mismatch_summary(stacks: dict[int, str], script: str | None) -> str | None:
+    """Name the collectives the ranks wait in when they are not all the same call."""
+    places: dict[str, list[int]] = {}
+    for rank, text in sorted(stacks.items()):
+        frame, collective = where(parse_stack(text), script)
+        if frame is None:
+            continue
+        key = f"{collective or 'no collective'} (line {frame.line})"
+        places.setdefault(key, []).append(rank)
+    if len(places) < 2:
+        return None
+    parts = [f"{key} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+             for key, r in places.items()]
+    return "The ranks are not in the same call: " + "; ".join(parts) + "."
+
+
+HANG_HINT = (
+    "The usual cause is a collective mismatch: a rank that never calls the collective its "
+    "peers wait in (a collective under 'if rank == 0:', a different number of calls per "
+    "rank, or a rank stuck elsewhere)."
+)
+
+
+def exit_cause(code: int | None) -> str:
+    """Words for a process exit code (negative: killed by a signal)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        extra = " (kill -9, or the out-of-memory killer)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{extra}"
+    return f"exit code {code}"
+
+
+def read_exception(log_dir: str, rank: int) -> dict | None:
+    """The exception a rank recorded before dying, or None."""
+    path = os.path.join(log_dir, f"rank{rank}.exc")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+#: Errors a rank raises when a *peer* died: echoes of the root cause, not the cause.
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "communicator was aborted", "remote process exited", "Connection refused")
+
+
+def is_peer_loss(exc: dict | None) -> bool:
+    """Whether a recorded exception only says that another rank went away."""
+    return exc is not None and any(m in exc.get("message", "") for m in PEER_LOSS)
+
+
+def root_cause(exceptions: dict[int, dict], deaths: dict[int, float],
+               exit_codes: dict[int, int]) -> tuple[int | None, str]:
+    """Pick the rank that failed first, and say why.
+
+    A rank's own exception beats a silent death (signal, ``os._exit``), which beats the
+    "connection closed" errors its peers raise afterwards; ties go to the earliest.
+    SIGTERM is what the launcher sends survivors, so it is never the cause.
+
+    Args:
+        exceptions: rank -> recorded exception (``type``, ``message``, ``time``).
+        deaths: rank -> when the launcher saw the rank gone.
+        exit_codes: rank -> exit code, where known.
+    Returns:
+        ``(rank, cause)``; rank is None when nothing points at one.
+    """
+    own = {r: e["time"] for r, e in exceptions.items() if not is_peer_loss(e)}
+    if own:
+        r = min(own, key=own.__getitem__)
+        return r, f"{exceptions[r]['type']}: {exceptions[r]['message']}"
+    silent = {r: deaths.get(r, float("inf")) for r, code in exit_codes.items()
+              if code not in (0, -signal.SIGTERM) and r not in exceptions}
+    silent.update({r: t for r, t in deaths.items()
+                   if r not in exceptions and exit_codes.get(r) != -signal.SIGTERM})
+    if silent:
+        r = min(silent, key=lambda k: (silent[k], k))
+        return r, exit_cause(exit_codes.get(r, 1)) if r in exit_codes else "died"
+    if exceptions:
+        r = min(exceptions, key=lambda k: exceptions[k]["time"])
+        return r, f"{exceptions[r]['type']}: {exceptions[r]['message']}"
+    return None, "no rank left a clue"
+
+
+_ROOT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                   re.S)
+
+
+def torchrun_exit_codes(agent_output: str) -> dict[int, int]:
+    """rank -> exit code for every failure in torchrun's failure summary."""
+    return {int(m.group(1)): int(m.group(2)) for m in _ROOT.finditer(agent_output)}
+
+
+def tail(text: str, n: int = 15) -> str:
+    """The last ``n`` lines of ``text``."""
+    return "\n".join(text.rstrip().splitlines()[-n:])

@@ -1,0 +1,274 @@
+"""The world a rank lives in: rank, device and backend, chosen in exactly one place.
+
+Every other module asks this one. Nothing else in dtlib reads ``RANK`` or ``LOCAL_RANK``
+or writes ``cuda:{i}`` by hand, so the same code runs as four gloo processes on a laptop,
+as eight NCCL processes on one GPU node, and across nodes under torchrun's rendezvous.
+
+Taught in: Chapter 0, "Hello, distributed".
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import platform
+import resource
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+#: Seconds a collective may wait for its peers before the group raises. Long enough for
+#: a slow first NCCL communicator, short enough that a deadlock becomes an error.
+DEFAULT_TIMEOUT_S = float(os.environ.get("DTLIB_COLLECTIVE_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands in the job.
+
+    rank: global index of this process, 0 .. world_size - 1.
+    local_rank: index on this machine; chooses the GPU (``cuda:local_rank``).
+    world_size: number of processes in the job (all machines).
+    backend: the communication library, ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
+    device: where this rank's tensors live.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints and writes files."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"environment variable {name}={value} must be >= 0")
+    return value
+
+
+def _from_env() -> tuple[int, int, int]:
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if world_size < 1:
+        raise ValueError(f"WORLD_SIZE={world_size} must be >= 1")
+    if rank >= world_size:
+        raise ValueError(f"RANK={rank} must be < WORLD_SIZE={world_size}")
+    return rank, local_rank, world_size
+
+
+def choose_backend(local_rank: int, backend: str | None = None) -> str:
+    """NCCL when CUDA has a device for ``local_rank``, gloo otherwise.
+
+    Args:
+        local_rank: this process's index on its machine.
+        backend: force ``"gloo"`` or ``"nccl"``; ``None`` chooses. The environment
+            variable ``DTLIB_BACKEND`` overrides the automatic choice too.
+    Returns:
+        ``"gloo"`` or ``"nccl"``.
+    """
+    backend = backend or os.environ.get("DTLIB_BACKEND") or None
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed: {BACKENDS}")
+    has_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    if backend == "nccl" and not has_gpu:
+        raise ValueError(
+            f"backend='nccl' needs a CUDA device for local_rank={local_rank}; "
+            f"this machine has {torch.cuda.device_count()} (use 'gloo' on CPU)"
+        )
+    if backend is None:
+        backend = "nccl" if has_gpu else "gloo"
+    return backend
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def world() -> World:
+    """The current world, initialised or not (a lone process is a world of one)."""
+    rank, local_rank, world_size = _from_env()
+    if dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend())
+        return World(dist.get_rank(), local_rank, dist.get_world_size(), backend,
+                     _device_for(backend, local_rank))
+    backend = choose_backend(local_rank)
+    return World(rank, local_rank, world_size, backend, _device_for(backend, local_rank))
+
+
+def init(
+    backend: str | None = None,
+    *,
+    timeout: float | timedelta | None = None,
+    store: Any = None,
+) -> World:
+    """Join the process group described by torchrun's environment.
+
+    Reads RANK, LOCAL_RANK, WORLD_SIZE (and MASTER_ADDR/MASTER_PORT through ``env://``),
+    chooses the backend, sets the CUDA device *before* creating the group, and always
+    passes a timeout so that a rank that never arrives becomes an error, not a hang.
+    Without torchrun it makes a world of one, so a notebook can call it directly.
+    Calling it again returns the same world.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or ``None`` to choose (see :func:`choose_backend`).
+        timeout: seconds (or a timedelta) a collective waits for its peers.
+        store: a ``torch.distributed.Store`` to rendezvous through instead of ``env://``
+            (used by :func:`dtlib.runtime.launch.spawn`).
+    Returns:
+        The :class:`World` of this process.
+
+    Taught in: Chapter 0.
+    """
+    if dist.is_initialized():
+        return world()
+    rank, local_rank, world_size = _from_env()
+    backend = choose_backend(local_rank, backend)
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S
+    if not isinstance(timeout, timedelta):
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+        timeout = timedelta(seconds=float(timeout))
+    device = _device_for(backend, local_rank)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if device.type == "cuda":
+        # Set the device first: otherwise the first NCCL call of every rank lands on GPU 0.
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    if store is None and world_size == 1 and "MASTER_ADDR" not in os.environ:
+        store = dist.HashStore()  # a world of one needs no network rendezvous
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+    # Leaving without destroying the group makes some torch versions abort at exit
+    # ("terminate called without an active exception"); a script need not remember.
+    atexit.register(destroy)
+    return World(rank, local_rank, world_size, backend, device)
+
+
+def destroy() -> None:
+    """Leave the process group (safe to call when none exists)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_info() -> dict[str, Any]:
+    """Everything a bug report about a distributed run should start with.
+
+    Returns:
+        A dict with rank, local_rank, world_size, backend, device, whether the group is
+        initialised, host, pid, and the versions and devices of the stack.
+    """
+    w = world()
+    return {
+        "rank": w.rank,
+        "local_rank": w.local_rank,
+        "world_size": w.world_size,
+        "backend": w.backend,
+        "device": str(w.device),
+        "initialized": dist.is_available() and dist.is_initialized(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "nccl_available": dist.is_nccl_available(),
+        "gloo_available": dist.is_gloo_available(),
+    }
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory of one device, with honest names.
+
+    device: ``"cpu"`` or ``"cuda:i"``.
+    current_bytes: in use now (CPU: resident set size; CUDA: allocated by tensors).
+    peak_bytes: the most in use since start or the last reset (CPU: peak RSS).
+    reserved_bytes: CUDA only, held by the caching allocator now (None on CPU).
+    peak_reserved_bytes: CUDA only, the most the allocator held (None on CPU).
+    """
+
+    device: str
+    current_bytes: int
+    peak_bytes: int
+    reserved_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+
+    def __str__(self) -> str:
+        gib = 2**30
+        text = (f"{self.device}: current {self.current_bytes / gib:.3f} GiB, "
+                f"peak {self.peak_bytes / gib:.3f} GiB")
+        if self.reserved_bytes is not None:
+            text += (f", reserved {self.reserved_bytes / gib:.3f} GiB "
+                     f"(peak {self.peak_reserved_bytes / gib:.3f} GiB)")
+        return text
+
+
+def _rss_bytes() -> tuple[int, int]:
+    try:
+        import psutil
+
+        current = psutil.Process().memory_info().rss
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        current = 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    return current, max(peak, current)
+
+
+def memory_stats(device: torch.device | str | None = None) -> MemoryStats:
+    """Current and peak memory of ``device`` (default: this rank's device).
+
+    On CUDA the numbers come from the caching allocator; on CPU from the process's
+    resident set size, since a CPU "device" is the whole process.
+
+    Taught in: Chapter 0; used by Chapter 1 to check the memory formulas.
+    """
+    device = torch.device(device) if device is not None else world().device
+    if device.type == "cuda":
+        return MemoryStats(
+            device=str(device),
+            current_bytes=torch.cuda.memory_allocated(device),
+            peak_bytes=torch.cuda.max_memory_allocated(device),
+            reserved_bytes=torch.cuda.memory_reserved(device),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+        )
+    if device.type != "cpu":
+        raise ValueError(f"device={device} is not supported; allowed: cpu, cuda:i")
+    current, peak = _rss_bytes()
+    return MemoryStats(device="cpu", current_bytes=current, peak_bytes=peak)
+
+
+def rprint(*args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
+    """Print from rank 0 only, or from every rank prefixed ``[rank k]``.
+
+    Under :mod:`dtlib.runtime.launch` every line is already prefixed by the launcher, so the
+    prefix is not added twice.
+    """
+    w = world()
+    if not all_ranks and w.rank != 0:
+        return
+    if all_ranks and not os.environ.get("DTLIB_LAUNCHED"):
+        args = (f"[rank {w.rank}]", *args)
+    kwargs.setdefault("flush", True)
+    print(*args, **kwargs)

@@ -1,0 +1,90 @@
+"""The first code every launched rank runs, before the reader's script.
+
+``dtlib.runtime.launch`` starts ranks as ``torchrun ... -m dtlib.runtime.worker SCRIPT ARGS`` (and
+``spawn`` calls :func:`prepare` directly). Before handing over to the script it:
+
+- sends the rank's stdout and stderr to one file per rank, so the launcher can print whole
+  lines with a ``[rank k]`` prefix instead of bytes from four processes interleaved;
+- writes its pid, so the launcher can find it among torchrun's children;
+- registers :mod:`faulthandler` on SIGUSR1: when a launch times out, the launcher sends the
+  signal and every rank writes the Python stack it is stuck in. faulthandler was chosen over
+  py-spy because it is in the standard library, works without ptrace permissions (often
+  denied in containers), and dumps from inside the process even while a C++ collective
+  holds the thread (it runs in the signal handler, not at a bytecode boundary);
+- records an uncaught exception's type and message, so the launcher can name the failing
+  rank and its cause without parsing tracebacks.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from typing import IO
+
+STACK_SIGNAL = signal.SIGUSR1
+_keep_open: list[IO[str]] = []  # faulthandler writes to these; they must outlive main
+
+
+def prepare(log_dir: str, rank: int) -> None:
+    """Redirect this process's output to ``log_dir`` and arm the stack dump."""
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"),
+                 os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    stack_file = open(os.path.join(log_dir, f"rank{rank}.stack"), "w")
+    _keep_open.append(stack_file)
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    with open(os.path.join(log_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def record_exception(log_dir: str, rank: int, exc: BaseException) -> None:
+    """Write the exception's type, message and traceback for the launcher to read."""
+    # Drop the launcher's own frames (this file, runpy): the reader's code is what matters.
+    tb = [fr for fr in traceback.extract_tb(exc.__traceback__)
+          if fr.filename != __file__ and "runpy" not in fr.filename]
+    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(tb))
+    text += "".join(traceback.format_exception_only(type(exc), exc))
+    info = {"type": type(exc).__name__, "message": str(exc), "traceback": text,
+            "time": time.time()}
+    with open(os.path.join(log_dir, f"rank{rank}.exc"), "w") as f:
+        json.dump(info, f)
+
+
+def main(argv: list[str]) -> None:
+    """Run ``argv[0]`` (a script path, or ``-m module``) as this rank's ``__main__``."""
+    if not argv:
+        raise SystemExit("usage: python -m dtlib.runtime.worker SCRIPT [ARGS...] | -m MODULE [ARGS]")
+    log_dir = os.environ.get("DTLIB_LOG_DIR")
+    rank = int(os.environ.get("RANK", "0"))
+    if log_dir:
+        prepare(log_dir, rank)
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0) and log_dir:
+            record_exception(log_dir, rank, exc)
+        raise
+    except BaseException as exc:
+        if log_dir:
+            record_exception(log_dir, rank, exc)
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

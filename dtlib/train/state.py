@@ -1,0 +1,118 @@
+"""Save and resume the capstone's whole training state, for DDP and for FSDP2.
+
+DDP: the model is replicated, so :func:`dtlib.checkpoint.save_checkpoint` writes one
+atomic file from rank 0 with every rank's sampler and RNG state. FSDP2: every rank holds
+a shard, so every rank writes: a ``torch.distributed.checkpoint`` directory for the
+sharded model and optimizer, plus one small file per rank for its scheduler, sampler
+and RNG state, renamed into place once all are written.
+
+Taught in: Chapter 10, "Crash and resume" (the formats: Chapter 9).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dtlib.checkpoint.state import (ResumableSampler, atomic_save, latest_checkpoint,
+                              load_checkpoint, rng_state, save_checkpoint,
+                              set_rng_state)
+from dtlib.train.config import TrainConfig
+
+__all__ = ["save_state", "resume", "param_digest"]
+
+
+def _latest_dcp(ckpt_dir: str) -> str | None:
+    names = [n for n in os.listdir(ckpt_dir) if re.fullmatch(r"step\d{8}", n)] \
+        if os.path.isdir(ckpt_dir) else []
+    return os.path.join(ckpt_dir, max(names)) if names else None
+
+
+def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: Any,
+               sampler: ResumableSampler) -> None:
+    """Save after ``step`` steps: one atomic file (DDP) or a DCP directory (FSDP).
+
+    Every rank must call it (both formats gather or write on all ranks).
+
+    Args:
+        cfg: the run's configuration (strategy, ckpt_dir).
+        step: optimizer steps done; model, opt, sched, sampler: the live objects.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    if cfg.strategy == "ddp":
+        save_checkpoint(cfg.ckpt_dir, step, model, opt, sched, sampler)
+        return
+    # FSDP: every rank writes its shards (DCP) and its own sampler/RNG file into a
+    # temporary directory; rank 0 renames it once all are done (atomic, like Ch. 9).
+    final = os.path.join(cfg.ckpt_dir, f"step{step:08d}")
+    tmp = final + ".tmp"
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    rank = dist.get_rank()
+    atomic_save({"step": step, "scheduler": sched.state_dict(),
+                 "sampler": sampler.state_dict(), **rng_state()},
+                os.path.join(tmp, f"rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
+           sampler: ResumableSampler) -> int:
+    """Load the latest checkpoint in ``cfg.ckpt_dir`` into the live objects, if any.
+
+    Args:
+        cfg: the run's configuration (strategy, ckpt_dir).
+        model, opt, sched, sampler: built as for a fresh run (FSDP: already sharded).
+    Returns:
+        The step to continue from (0 when there is no checkpoint).
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    if cfg.ckpt_dir is None:
+        return 0
+    if cfg.strategy == "ddp":
+        path = latest_checkpoint(cfg.ckpt_dir) if os.path.isdir(cfg.ckpt_dir) else None
+        return load_checkpoint(path, model, opt, sched, sampler)["step"] if path else 0
+    path = _latest_dcp(cfg.ckpt_dir)
+    if path is None:
+        return 0
+    msd, osd = get_state_dict(model, opt)  # initialises the optimizer's state
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    mine = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"),
+                      map_location="cpu", weights_only=True)
+    sched.load_state_dict(mine["scheduler"])
+    sampler.load_state_dict(mine["sampler"])
+    set_rng_state(mine)
+    return mine["step"]
+
+
+def param_digest(model: nn.Module) -> tuple[str, float]:
+    """(sha256 prefix of all full fp32 parameters, their L2 norm).
+
+    A collective under FSDP2 (each DTensor is gathered): call it on every rank. Equal
+    digests mean bit-identical parameters, whatever the strategy that trained them.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    h, sq = hashlib.sha256(), 0.0
+    for _, p in sorted(model.named_parameters()):
+        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        full = full.float().cpu().contiguous()
+        h.update(full.numpy().tobytes())
+        sq += float(full.double().pow(2).sum())
+    return h.hexdigest()[:16], math.sqrt(sq)

@@ -1,0 +1,31 @@
+"""Chapter 4: ZeRO stages 1-3 from scratch, FSDP2, and DeepSpeed's configuration.
+
+- :mod:`~dtlib.zero.flat_params` and :mod:`~dtlib.zero.units`: parameters flattened into
+  units, each split evenly across ranks.
+- :mod:`~dtlib.zero.optimizer`: the :class:`ZeRO` wrapper (stages 1, 2, 3).
+- :mod:`~dtlib.zero.stage3`: the gather/free hooks of stage 3.
+- :mod:`~dtlib.zero.fsdp`: torch's FSDP2 (``fully_shard``) as the chapter uses it.
+- :mod:`~dtlib.zero.deepspeed_config`: writing and checking a DeepSpeed config.
+"""
+
+from __future__ import annotations
+
+from dtlib.zero.optimizer import (ZeRO, zero_comm_elements, OPTIMIZERS)
+from dtlib.zero.units import (Unit, free_flat)
+from dtlib.zero.stage3 import (gather_flat, install_stage3_hooks)
+from dtlib.zero.flat_params import (FlatLayout, assign_units, default_unit_modules)
+from dtlib.zero.fsdp import (fully_shard, MixedPrecisionPolicy, shard_fsdp2,
+                             bf16_policy, fsdp_state_bytes, full_parameters,
+                             DEEPSPEED_TO_FSDP)
+from dtlib.zero.deepspeed_config import (TOP_LEVEL_KEYS, ZERO_KEYS, OFFLOAD_KEYS,
+                                         PRECISIONS, DeepSpeedCheck, deepspeed_config,
+                                         validate_deepspeed_config,
+                                         consistent_world_sizes)
+
+__all__ = ["ZeRO", "zero_comm_elements", "OPTIMIZERS", "Unit", "free_flat",
+           "gather_flat", "install_stage3_hooks", "FlatLayout", "assign_units",
+           "default_unit_modules", "fully_shard", "MixedPrecisionPolicy", "shard_fsdp2",
+           "bf16_policy", "fsdp_state_bytes", "full_parameters", "DEEPSPEED_TO_FSDP",
+           "TOP_LEVEL_KEYS", "ZERO_KEYS", "OFFLOAD_KEYS", "PRECISIONS",
+           "DeepSpeedCheck", "deepspeed_config", "validate_deepspeed_config",
+           "consistent_world_sizes"]

@@ -1,0 +1,135 @@
+"""FSDP2 (``fully_shard``) on the book's models, and what it keeps per rank.
+
+FSDP2 is PyTorch's native ZeRO-3: ``fully_shard(module)`` turns each parameter into a
+DTensor sharded on dim 0 across the ranks, all-gathers a module's parameters before its
+forward and backward and reduce-scatters its gradients. Apply it to each block first,
+then to the root; create the optimizer *after* sharding (it must see the DTensors).
+FSDP1 (``FullyShardedDataParallel`` with flat parameters and ``auto_wrap_policy``) is
+legacy.
+
+Taught in: Chapter 4, "FSDP2".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+try:  # torch >= 2.6 exports FSDP2 here
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+from dtlib.zero.flat_params import default_unit_modules
+
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "shard_fsdp2", "bf16_policy",
+           "fsdp_state_bytes", "full_parameters", "DEEPSPEED_TO_FSDP"]
+
+
+def bf16_policy() -> MixedPrecisionPolicy:
+    """bf16 parameters for compute, fp32 gradient reduction (the usual choice).
+
+    The sharded parameters and AdamW states stay fp32 (the master copy); only the
+    all-gathered copies used in forward/backward are bf16. No loss scaler is needed:
+    bf16 has fp32's exponent range (fp16 would need a ShardedGradScaler).
+    """
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard_fsdp2(model: nn.Module, unit_modules: list[nn.Module] | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """Apply ``fully_shard`` to each unit (default: each block), then to the root.
+
+    Args:
+        model: the model, identical on every rank.
+        unit_modules: submodules sharded as separate groups (default: the elements of
+            each outermost ``nn.ModuleList``, as in :mod:`dtlib.zero`).
+        mp_policy: e.g. :func:`bf16_policy`; ``None`` keeps fp32 everywhere.
+        reshard_after_forward: True frees gathered parameters after forward (ZeRO-3);
+            False keeps them until backward (ZeRO-2-like: no second all-gather).
+    Returns:
+        ``model``, now sharded in place (its class becomes an FSDP subclass).
+
+    Taught in: Chapter 4, "FSDP2".
+    """
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    units = default_unit_modules(model) if unit_modules is None else unit_modules
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fsdp_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> dict[str, int]:
+    """Bytes of model states this rank holds (local shards, unique storages).
+
+    Returns:
+        ``{"params", "grads", "optimizer", "total"}`` without step counters.
+    """
+    seen: set[int] = set()
+
+    def size(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            s = _local(t).untyped_storage()
+            if s.data_ptr() in seen or s.nbytes() == 0:
+                continue
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+        return total
+
+    params = list(model.parameters())
+    p = size(params)
+    g = size(q.grad for q in params)
+    o = size(v for st in optimizer.state.values() for k, v in st.items()
+             if k != "step" and torch.is_tensor(v))
+    return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, full size, by name (a collective: call on all ranks)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+#: DeepSpeed settings and their FSDP2 counterparts (Chapter 4's table).
+DEEPSPEED_TO_FSDP: list[dict[str, str]] = [
+    {"DeepSpeed": "zero_optimization.stage = 3",
+     "FSDP2": "fully_shard(block) for each block, then fully_shard(model)"},
+    {"DeepSpeed": "zero_optimization.stage = 2",
+     "FSDP2": "fully_shard(..., reshard_after_forward=False) (parameters kept "
+              "gathered from forward to backward; FSDP1: SHARD_GRAD_OP)"},
+    {"DeepSpeed": "zero_optimization.stage = 1",
+     "FSDP2": "no exact match; torch's ZeroRedundancyOptimizer shards optimizer "
+              "states"},
+    {"DeepSpeed": "stage 0 (plain data parallel)",
+     "FSDP2": "DistributedDataParallel (or replicate())"},
+    {"DeepSpeed": "bf16.enabled = true",
+     "FSDP2": "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+              "reduce_dtype=torch.float32)"},
+    {"DeepSpeed": "fp16.enabled = true (dynamic loss scale)",
+     "FSDP2": "param_dtype=torch.float16 plus torch.amp.GradScaler"},
+    {"DeepSpeed": "offload_param / offload_optimizer: device cpu",
+     "FSDP2": "offload_policy=CPUOffloadPolicy() (params, grads and optimizer step "
+              "on CPU)"},
+    {"DeepSpeed": "reduce_bucket_size, stage3_prefetch_bucket_size",
+     "FSDP2": "the grouping itself: one all-gather / reduce-scatter per fully_shard "
+              "unit; prefetch via set_modules_to_forward_prefetch"},
+    {"DeepSpeed": "gradient_clipping",
+     "FSDP2": "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) "
+              "(works on DTensors)"},
+    {"DeepSpeed": "gradient_accumulation_steps",
+     "FSDP2": "set_requires_gradient_sync(False) on all but the last micro-batch"},
+]

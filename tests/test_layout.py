@@ -1,0 +1,188 @@
+"""The import rule of dtlib's layout (README, "Layout"), enforced by walking every import.
+
+Layers, bottom to top:
+
+    runtime                      the world and launching (dist never imports dtlib)
+    models, technique packages   one per chapter topic, in the book's order
+    chapters                     what each page runs, draws, reproduces from the seed
+    exercises, bench             checking the learner; measuring
+
+Rules:
+1. A technique package (and ``models``) never imports the launcher side of the runtime
+   (launch, supervise, worker, diagnose, magic), ``chapters``, ``exercises`` or
+   ``bench``; it may import ``dtlib.runtime.dist``.
+2. A technique package never imports a later chapter's technique.
+3. ``runtime`` imports only ``runtime``; ``chapters`` never imports exercises or bench;
+   a chapter's page code imports only earlier (or its own) chapters' page code.
+4. matplotlib, IPython and ipywidgets are imported only in figure code
+   (``chapters/*/figures.py``) and the notebook magic (``runtime/magic.py``).
+5. No import cycle between modules (lazy imports inside functions count).
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "dtlib"
+
+#: Technique packages by the chapter that teaches them (models serve every chapter).
+CHAPTER_OF = {
+    "models": 0, "memory": 1, "collectives": 2, "data_parallel": 3, "zero": 4,
+    "tensor_parallel": 5, "pipeline_parallel": 6, "precision": 7, "accumulation": 8,
+    "checkpoint": 9, "train": 10, "parallel_nd": 11, "planner": 11,
+    "context_parallel": 12,
+}
+LAUNCHER = {"launch", "supervise", "worker", "diagnose", "magic"}
+FIGURE_ONLY = ("matplotlib", "IPython", "ipywidgets")
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(name: str, known: set[str]) -> str:
+    """The longest known dtlib module that ``name`` starts with."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def import_edges(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> every module it imports (dtlib modules resolved; others top-level)."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    known = set(files)
+    edges: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # `from dtlib.x import y` may name a submodule y
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            for t in targets:
+                if t.split(".")[0] == "dtlib":
+                    r = _resolve(t, known)
+                    if r and r != mod:
+                        out.add(r)
+                else:
+                    out.add(t.split(".")[0])
+        edges[mod] = out
+    return edges
+
+
+def _parts(mod: str) -> list[str]:
+    return mod.split(".")[1:]  # drop "dtlib"
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    """Every broken rule, as "importer -> imported: why"."""
+    edges = import_edges(root)
+    found: list[str] = []
+    for mod, targets in edges.items():
+        p = _parts(mod)
+        top = p[0] if p else ""
+        for t in targets:
+            if t in FIGURE_ONLY:
+                if not (mod.endswith(".figures") or mod == "dtlib.runtime.magic"):
+                    found.append(f"{mod} -> {t}: plotting/notebook code outside figures")
+                continue
+            if not t.startswith("dtlib."):
+                continue
+            q = _parts(t)
+            ttop = q[0]
+            if top in CHAPTER_OF:
+                if ttop in ("chapters", "exercises", "bench"):
+                    found.append(f"{mod} -> {t}: a technique imports {ttop}")
+                elif ttop == "runtime" and q[1:2] and q[1] in LAUNCHER:
+                    found.append(f"{mod} -> {t}: a technique imports the launcher")
+                elif ttop in CHAPTER_OF and CHAPTER_OF[ttop] > CHAPTER_OF[top]:
+                    found.append(f"{mod} -> {t}: chapter {CHAPTER_OF[top]} imports "
+                                 f"a later chapter's technique ({CHAPTER_OF[ttop]})")
+            elif top == "runtime" and ttop != "runtime":
+                found.append(f"{mod} -> {t}: the runtime imports a layer above it")
+            elif top == "chapters":
+                if ttop in ("exercises", "bench"):
+                    found.append(f"{mod} -> {t}: page code imports {ttop}")
+                elif ttop == "chapters" and len(p) > 1 and len(q) > 1 \
+                        and p[1].startswith("ch") and q[1].startswith("ch") \
+                        and q[1] > p[1]:
+                    found.append(f"{mod} -> {t}: page code imports a later chapter")
+    found += [f"import cycle: {' -> '.join(c)}" for c in _cycles(edges)]
+    return found
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One representative cycle per strongly connected set of dtlib modules."""
+    graph = {m: {t for t in ts if t in edges} for m, ts in edges.items()}
+    seen: set[str] = set()
+    cycles = []
+
+    def walk(node: str, stack: list[str], on_stack: set[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in on_stack:
+                cyc = stack[stack.index(nxt):] + [nxt]
+                if not seen.intersection(cyc):
+                    cycles.append(cyc)
+                    seen.update(cyc)
+            elif nxt not in done:
+                stack.append(nxt)
+                on_stack.add(nxt)
+                walk(nxt, stack, on_stack)
+                on_stack.discard(stack.pop())
+        done.add(node)
+
+    done: set[str] = set()
+    for m in sorted(graph):
+        if m not in done:
+            walk(m, [m], {m})
+    return cycles
+
+
+def test_dtlib_follows_the_import_rule() -> None:
+    found = violations()
+    assert not found, "import rule broken:\n" + "\n".join(found)
+
+
+def _copy(tmp_path: Path) -> Path:
+    dst = tmp_path / "dtlib"
+    shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def test_rule_catches_a_technique_importing_page_code(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    with open(root / "zero" / "units.py", "a") as f:
+        f.write("\n\ndef _bad():\n    from dtlib.chapters.tables import md_table\n")
+    found = violations(root)
+    assert any(v.startswith("dtlib.zero.units -> dtlib.chapters.tables") for v in found)
+
+
+def test_rule_catches_a_later_chapter_and_plotting(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    with open(root / "collectives" / "algorithms.py", "a") as f:
+        f.write("\nfrom dtlib.zero import optimizer\nimport matplotlib.pyplot\n")
+    found = violations(root)
+    assert any("dtlib.collectives.algorithms -> dtlib.zero.optimizer: chapter 2" in v
+               for v in found)
+    assert any("dtlib.collectives.algorithms -> matplotlib" in v for v in found)
+
+
+def test_rule_catches_a_cycle(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    with open(root / "zero" / "units.py", "a") as f:
+        f.write("\nfrom dtlib.zero import optimizer\n")
+    assert any(v.startswith("import cycle") and "dtlib.zero.units" in v
+               for v in violations(root))
+
+
+def test_packages_state_their_public_api() -> None:
+    for init in ROOT.glob("*/__init__.py"):
+        text = init.read_text()
+        assert ast.get_docstring(ast.parse(text)), f"{init} has no docstring"
