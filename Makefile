@@ -30,8 +30,10 @@ test: venv
 	    --nbval-lax --nbval-current-env --nbval-cell-timeout=240 tests notebooks
 
 ## Learner notebooks: every solution replaced by `raise NotImplementedError`.
+## A copy you edited is never overwritten (FORCE=1 overwrites it).
 exercises: venv
-	$(BIN)/python -m dtlib.exercises strip notebooks -o exercises
+	$(BIN)/python -m dtlib.exercises strip notebooks -o exercises $(if $(FORCE),--force)
 
+## Removes build outputs only: exercises/ holds the learner's work and is never removed.
 clean:
-	rm -rf _build exercises
+	rm -rf _build

@@ -53,6 +53,48 @@ def test_strip_command_writes_learner_notebooks(tmp_path) -> None:
     assert cell["outputs"] == [] and cell["execution_count"] is None
 
 
+def _strip_cli(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "dtlib.exercises", "strip", *args],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_strip_twice_keeps_the_learners_edit_and_force_overrides(tmp_path) -> None:
+    src, dst = tmp_path / "nb", tmp_path / "ex"
+    src.mkdir()
+    nb = {"cells": [{"cell_type": "code", "source": SOLVED, "metadata": {},
+                     "outputs": [], "execution_count": None}], "metadata": {},
+          "nbformat": 4, "nbformat_minor": 5}
+    (src / "a.ipynb").write_text(json.dumps(nb))
+    (src / "b.ipynb").write_text(json.dumps(nb))
+    _strip_cli(str(src), "-o", str(dst))
+    mine = json.loads((dst / "a.ipynb").read_text())
+    mine["cells"][0]["source"] = "def f(x):\n    return 2 * x  # my answer\n"
+    (dst / "a.ipynb").write_text(json.dumps(mine))
+    # The book changes; the learner's copy is kept, the untouched one is refreshed.
+    nb["cells"][0]["source"] = SOLVED + "# new line from the book\n"
+    (src / "a.ipynb").write_text(json.dumps(nb))
+    (src / "b.ipynb").write_text(json.dumps(nb))
+    out = _strip_cli(str(src), "-o", str(dst))
+    assert "my answer" in (dst / "a.ipynb").read_text()
+    assert "new line from the book" in (dst / "b.ipynb").read_text()
+    assert "kept 1 notebook(s) you edited" in out and "a.ipynb" in out
+    assert "--force" in out
+    # A file the tool never wrote (no record) is not overwritten either.
+    (dst / ".written.json").unlink()
+    _strip_cli(str(src), "-o", str(dst))
+    assert "my answer" in (dst / "a.ipynb").read_text()
+    out = _strip_cli(str(src), "-o", str(dst), "--force")
+    assert "my answer" not in (dst / "a.ipynb").read_text()
+    assert "kept" not in out
+
+
+def test_make_clean_leaves_exercises_alone() -> None:
+    from pathlib import Path
+
+    recipe = Path("Makefile").read_text().split("\nclean:")[1].split("\n\n")[0]
+    assert "rm -rf _build" in recipe and "exercises" not in recipe
+
+
 def test_every_book_notebook_strips_and_keeps_its_checkers() -> None:
     from pathlib import Path
 

@@ -13,11 +13,20 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("strip", help="replace every solution by raise NotImplementedError")
     p.add_argument("src", help="folder of the book's notebooks")
     p.add_argument("-o", "--output", required=True, help="folder for learner notebooks")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite learner copies edited since they were written")
     args = parser.parse_args(argv)
-    report = strip_tree(args.src, args.output)
-    for name, n in report.items():
-        print(f"{name}: {n} solution(s) removed")
-    print(f"wrote {len(report)} notebook(s) to {args.output}")
+    report = strip_tree(args.src, args.output, force=args.force)
+    kept = [name for name, w in report.items() if w.kept]
+    for name, w in report.items():
+        if not w.kept:
+            print(f"{name}: {w.solutions} solution(s) removed")
+    print(f"wrote {len(report) - len(kept)} notebook(s) to {args.output}")
+    if kept:
+        print(f"kept {len(kept)} notebook(s) you edited (your work is not overwritten): "
+              + ", ".join(kept))
+        print("to replace them with fresh copies, move them away or rerun with --force "
+              "(make exercises FORCE=1)")
 
 
 if __name__ == "__main__":
