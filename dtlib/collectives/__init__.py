@@ -9,16 +9,30 @@
 
 from __future__ import annotations
 
-from dtlib.collectives.algorithms import (chunk_bounds, all_gather_into,
-                                          reduce_scatter_into, ring_all_reduce,
-                                          ring_all_reduce_trace, ring_reduce_scatter,
-                                          ring_all_gather, tree_broadcast,
-                                          naive_all_reduce)
-from dtlib.collectives.cost_model import (cost_terms, collective_time,
-                                          bus_bandwidth_factor, bytes_sent_per_rank,
-                                          fit_alpha_beta, latency_bandwidth_crossover)
-from dtlib.collectives.comm_log import (OPS, CommRecord, CommLog, record, active)
-from dtlib.collectives.accounting import (count_comms, ddp_comm_hook_accounting)
+import importlib
+from typing import Any
+
+# name -> submodule. Loaded on first use: the cost model is pure Python (the
+# planner of Chapter 11 uses it without torch); the rest needs torch.
+_WHERE = {
+    **dict.fromkeys(("chunk_bounds", "all_gather_into", "reduce_scatter_into",
+                     "ring_all_reduce", "ring_all_reduce_trace", "ring_reduce_scatter",
+                     "ring_all_gather", "tree_broadcast", "naive_all_reduce"),
+                    "algorithms"),
+    **dict.fromkeys(("cost_terms", "collective_time", "bus_bandwidth_factor",
+                     "bytes_sent_per_rank", "fit_alpha_beta",
+                     "latency_bandwidth_crossover"), "cost_model"),
+    **dict.fromkeys(("OPS", "CommRecord", "CommLog", "record", "active"), "comm_log"),
+    **dict.fromkeys(("count_comms", "ddp_comm_hook_accounting"), "accounting"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"dtlib.collectives.{_WHERE[name]}"),
+                       name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["chunk_bounds", "all_gather_into", "reduce_scatter_into", "ring_all_reduce",
            "ring_all_reduce_trace", "ring_reduce_scatter", "ring_all_gather",

@@ -322,15 +322,20 @@ def estimate(cfg: TrainingConfig) -> MemoryEstimate:
     return MemoryEstimate(states.params, states.grads, states.optimizer, acts)
 
 
-from dtlib.memory.measure import (  # noqa: E402  (re-exported public API)
-    ActivationMeasurement,
-    PAPER_OMITS,
-    ModelStateMeasurement,
-    gpt_layer_activation_terms,
-    measure_gpt_layer,
-    measure_activations,
-    measure_model_states,
-)
+_MEASURED = ("ActivationMeasurement", "PAPER_OMITS", "ModelStateMeasurement",
+             "gpt_layer_activation_terms", "measure_gpt_layer", "measure_activations",
+             "measure_model_states")
+
+
+def __getattr__(name: str):
+    """Re-export the measurement API on first use, so that the formulas (and the
+    pure-Python planner built on them) never import torch."""
+    if name in _MEASURED:
+        import dtlib.memory.measure as measure
+
+        return getattr(measure, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "GB", "ModelStates", "MemoryEstimate", "TrainingConfig", "ActivationMeasurement",

@@ -1,0 +1,225 @@
+"""Step time, throughput and memory of one parallel configuration.
+
+Step time is a sum; nothing overlaps, so it is an upper bound that states what
+each part costs (Narayanan et al. 2021 measure how much overlap recovers):
+
+- compute: FLOPs per iteration (``counts.flops_per_iteration``) over
+  n_gpus x peak_flops x compute_efficiency;
+- bubble: compute x (pp - 1) / m, the idle fraction of non-interleaved 1F1B
+  (Chapter 6; Narayanan §2.2.1);
+- tp: per layer and micro-batch, 2 all-reduces forward and 2 backward (f and g,
+  Chapter 5), 2 more forward under full recomputation, each of the 2sbh-byte
+  activation, on NVLink when the tp group fits in a node;
+- cp: per layer and micro-batch, an all-gather of K and V forward, a
+  reduce-scatter of their gradients backward (one more all-gather under full
+  recomputation);
+- pp: per micro-batch one activation forward and one gradient backward between
+  neighbouring stages (scattered over tp with sequence parallelism);
+- dp: the 16-bit gradients of this rank's parameters, once per iteration:
+  all-reduce (ZeRO 0) or reduce-scatter + all-gather of the parameters (ZeRO 1, 2:
+  the same bytes); ZeRO-3 gathers the parameters forward and backward and
+  reduce-scatters the gradients for every micro-batch.
+
+Collectives cost what Chapter 2's alpha-beta ring model says
+(``dtlib.collectives.cost_model.collective_time``). Ranks are laid out as
+``arange(world).view(dp, pp, cp, tp)``: tp neighbours are adjacent GPUs, so a group
+uses NVLink when it fits in a node and otherwise each GPU's own NIC
+(``inter_node_bw``).
+
+Taught in: Chapter 11, a planner checked against published runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dtlib.collectives.cost_model import collective_time
+
+from dtlib.planner.counts import flops_per_iteration, param_count
+from dtlib.planner.footprint import memory_breakdown
+from dtlib.planner.specs import ClusterSpec, ModelSpec, ParallelConfig
+
+TIME_TERMS = ("compute", "bubble", "tp", "cp", "pp", "dp")
+_WHAT = {"compute": "compute", "bubble": "the pipeline bubble",
+         "tp": "tensor-parallel all-reduces", "cp": "context-parallel K/V exchange",
+         "pp": "pipeline sends", "dp": "data-parallel gradient traffic"}
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where the time and the memory go.
+
+    time_s: seconds per iteration for each of ``TIME_TERMS``.
+    memory_bytes: params, grads, optimizer, activations on the first stage.
+    links: "intra" or "inter" for each communicating dimension.
+    memory_limit_bytes: what a GPU may use (memory minus reserved).
+    """
+
+    time_s: dict[str, float]
+    memory_bytes: dict[str, float]
+    links: dict[str, str]
+    memory_limit_bytes: float
+
+    @property
+    def dominant(self) -> str:
+        """What limits this configuration: "memory" when it does not fit, else
+        the largest time term other than compute (or "compute" when the
+        overheads together are below a tenth of it)."""
+        if sum(self.memory_bytes.values()) > self.memory_limit_bytes:
+            return "memory"
+        over = {k: v for k, v in self.time_s.items() if k != "compute"}
+        worst = max(over, key=over.get)
+        if sum(over.values()) < 0.1 * self.time_s["compute"]:
+            return "compute"
+        return worst
+
+    def explain(self) -> str:
+        """One paragraph: the time terms as shares of the step, the memory."""
+        total = sum(self.time_s.values())
+        parts = [f"{_WHAT[k]} {v / total:.0%}" + (
+            f" ({self.links[k]}-node)" if k in self.links else "")
+            for k, v in sorted(self.time_s.items(), key=lambda kv: -kv[1]) if v > 0]
+        mem = sum(self.memory_bytes.values())
+        biggest = max(self.memory_bytes, key=self.memory_bytes.get)
+        verdict = {"memory": "it does not fit in memory",
+                   "compute": "compute dominates"}.get(
+            self.dominant, f"{_WHAT[self.dominant]} cost the most beyond compute")
+        return (f"Step {total:.3g} s: " + ", ".join(parts) + f". Memory "
+                f"{mem / 1e9:.1f} GB of {self.memory_limit_bytes / 1e9:.1f} GB, "
+                f"mostly {biggest}. Verdict: {verdict}.")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one configuration costs (units: bytes, FLOPs, seconds).
+
+    memory_per_gpu_bytes: model states + activations on the most loaded GPU.
+    fits: memory_per_gpu_bytes <= memory_bytes - reserved_bytes.
+    flops_per_iteration: model FLOPs plus recomputation (Eq. 3 when "full").
+    model_flops_per_iteration: without recomputation (for MFU).
+    step_time_s: the sum of ``breakdown.time_s``.
+    tflops_per_gpu: flops_per_iteration / step_time / n_gpus / 1e12, the
+        measure of Narayanan et al. 2021 Tables 1-2 and Dubey et al. 2024 Table 4.
+    mfu: model_flops_per_iteration / step_time / n_gpus / peak_flops.
+    bubble_fraction: (pp - 1) / m, idle time relative to the ideal compute.
+    n_micro: micro-batches per replica per iteration (m).
+    breakdown: the :class:`Breakdown`.
+    """
+
+    config: ParallelConfig
+    memory_per_gpu_bytes: float
+    fits: bool
+    flops_per_iteration: int
+    model_flops_per_iteration: int
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    n_micro: int
+    breakdown: Breakdown
+
+
+def _check(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+           global_batch: int) -> int:
+    """Validate the combination; return m, micro-batches per replica."""
+    for name, value, cls in (("model", model, ModelSpec),
+                             ("cluster", cluster, ClusterSpec),
+                             ("config", config, ParallelConfig)):
+        if not isinstance(value, cls):
+            raise ValueError(f"{name}={value!r} must be a {cls.__name__}")
+    if config.world_size != cluster.n_gpus:
+        raise ValueError(f"config dp*cp*pp*tp={config.world_size} must equal "
+                         f"cluster.n_gpus={cluster.n_gpus}")
+    if model.n_heads % config.tp:
+        raise ValueError(f"config.tp={config.tp} must divide "
+                         f"n_heads={model.n_heads}")
+    if config.pp > model.n_layers:
+        raise ValueError(f"config.pp={config.pp} must be <= "
+                         f"n_layers={model.n_layers}")
+    if model.seq_len % config.cp:
+        raise ValueError(f"config.cp={config.cp} must divide "
+                         f"seq_len={model.seq_len}")
+    per_step = config.dp * config.micro_batch
+    if (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+            or global_batch < 1 or global_batch % per_step):
+        raise ValueError(f"global_batch={global_batch!r} must be a positive "
+                         f"multiple of dp*micro_batch={per_step}")
+    return global_batch // per_step
+
+
+def _ring(op: str, nbytes: float, n: int, bw: float, cluster: ClusterSpec) -> float:
+    if n == 1:
+        return 0.0
+    return collective_time("ring", op, nbytes, n, cluster.latency_s, 1.0 / bw)
+
+
+def _communication(model: ModelSpec, cluster: ClusterSpec, c: ParallelConfig,
+                   n_params: int, m: int) -> tuple[dict, dict]:
+    """Seconds per iteration of the tp, cp, pp and dp traffic; and their links."""
+    g = cluster.gpus_per_node
+    spans = {"tp": c.tp, "cp": c.tp * c.cp, "pp": c.tp * c.cp * c.pp,
+             "dp": c.world_size}
+    links = {k: "intra" if span <= g else "inter" for k, span in spans.items()}
+    bw = {k: cluster.intra_node_bw if v == "intra" else cluster.inter_node_bw
+          for k, v in links.items()}
+    full = c.recompute == "full"
+    layers = math.ceil(model.n_layers / c.pp) * m  # layer passes per iteration
+    sbh2 = 2 * (model.seq_len // c.cp) * c.micro_batch * model.hidden  # bytes
+    t = {"tp": (6 if full else 4) * layers * _ring("all_reduce", sbh2, c.tp,
+                                                   bw["tp"], cluster)}
+    kv = 2 * 2 * model.seq_len * c.micro_batch * model.kv_hidden / c.tp
+    t["cp"] = layers * ((2 if full else 1) * _ring("all_gather", kv, c.cp,
+                                                   bw["cp"], cluster)
+                        + _ring("reduce_scatter", kv, c.cp, bw["cp"], cluster))
+    send = sbh2 / (c.tp if c.sequence_parallel else 1)
+    t["pp"] = 0.0 if c.pp == 1 else 2 * m * (cluster.latency_s + send / bw["pp"])
+    grads = 2 * -(-n_params // (c.tp * c.pp))  # 16-bit, this rank's share
+    n_dp = c.dp * c.cp
+    if c.zero_stage == 3:
+        t["dp"] = m * (2 * _ring("all_gather", grads, n_dp, bw["dp"], cluster)
+                       + _ring("reduce_scatter", grads, n_dp, bw["dp"], cluster))
+    elif c.zero_stage in (1, 2):
+        t["dp"] = (_ring("reduce_scatter", grads, n_dp, bw["dp"], cluster)
+                   + _ring("all_gather", grads, n_dp, bw["dp"], cluster))
+    else:
+        t["dp"] = _ring("all_reduce", grads, n_dp, bw["dp"], cluster)
+    used = {k: links[k] for k in ("tp", "cp", "pp", "dp")
+            if {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": n_dp}[k] > 1}
+    return t, used
+
+
+def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
+             global_batch: int) -> Estimate:
+    """Memory, step time and throughput of one configuration.
+
+    Args:
+        model: the :class:`ModelSpec`.
+        cluster: the :class:`ClusterSpec`; its n_gpus must equal dp*cp*pp*tp.
+        config: the :class:`ParallelConfig`.
+        global_batch: sequences per iteration, a multiple of dp * micro_batch.
+    Returns:
+        An :class:`Estimate`.
+
+    Taught in: Chapter 11, a planner checked against published runs.
+    """
+    m = _check(model, cluster, config, global_batch)
+    n_params = param_count(model)
+    memory = memory_breakdown(model, config, n_params, m)
+    flops = flops_per_iteration(model, global_batch, config.recompute)
+    model_flops = flops_per_iteration(model, global_batch, "none")
+    rate = cluster.n_gpus * cluster.peak_flops * cluster.compute_efficiency
+    time_s = {"compute": flops / rate,
+              "bubble": flops / rate * (config.pp - 1) / m}
+    comm, links = _communication(model, cluster, config, n_params, m)
+    time_s.update(comm)
+    limit = cluster.memory_bytes - cluster.reserved_bytes
+    step = sum(time_s.values())
+    total_mem = sum(memory.values())
+    return Estimate(
+        config=config, memory_per_gpu_bytes=total_mem, fits=total_mem <= limit,
+        flops_per_iteration=flops, model_flops_per_iteration=model_flops,
+        step_time_s=step, tflops_per_gpu=flops / step / cluster.n_gpus / 1e12,
+        mfu=model_flops / step / cluster.n_gpus / cluster.peak_flops,
+        bubble_fraction=(config.pp - 1) / m, n_micro=m,
+        breakdown=Breakdown(time_s, memory, links, limit))
