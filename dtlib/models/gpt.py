@@ -3,7 +3,8 @@
 One family across the book, so numbers compare across chapters: the memory chapter
 measures this GPT, the data-parallel and ZeRO chapters train it, the tensor- and
 pipeline-parallel chapters split it. Attention is written out (no fused kernel) so that
-every tensor the memory formulas count is visible.
+every tensor the memory formulas count is visible; ``attention="sdpa"`` switches to
+``scaled_dot_product_attention`` (Chapter 12), which stores no ``s x s`` tensor.
 
 Taught in: Chapter 1 (memory), used by every later chapter.
 """
@@ -18,6 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+#: Attention cores of :class:`CausalSelfAttention` (``GPTConfig.attention``).
+ATTENTION = ("explicit", "sdpa")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of the GPT.
@@ -30,6 +35,9 @@ class GPTConfig:
     dropout: dropout probability (0 keeps runs bit-for-bit comparable across ranks).
     tie_weights: share the token embedding with the output head, as GPT-2 and the
         Megatron-LM parameter count do.
+    attention: ``"explicit"`` writes the ``s x s`` scores, mask and softmax out (every
+        term of Chapter 1's activation formula is a tensor); ``"sdpa"`` calls
+        ``torch.nn.functional.scaled_dot_product_attention`` (fused; Chapter 12).
     """
 
     vocab_size: int = 256
@@ -39,6 +47,7 @@ class GPTConfig:
     n_heads: int = 4
     dropout: float = 0.0
     tie_weights: bool = True
+    attention: str = "explicit"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layers", "hidden", "n_heads"):
@@ -50,20 +59,43 @@ class GPTConfig:
                 f"hidden={self.hidden} must be divisible by n_heads={self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r} is not allowed; "
+                             f"allowed: {ATTENTION}")
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention with a causal mask: token t sees tokens 0..t only."""
+    """Multi-head attention with a causal mask: token t sees tokens 0..t only.
+
+    The projections live here; the *core* (scores, mask, softmax, dropout, x V) is
+    :meth:`core`. Setting ``core_fn`` to a function ``(q, k, v) -> y`` replaces it:
+    Chapter 12 checkpoints it (selective recomputation) or sends it round a ring
+    (context parallelism) without touching the projections or the parameter names.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.attention, self.dropout_p = cfg.attention, cfg.dropout
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
         mask = torch.tril(torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool))
         self.register_buffer("mask", mask, persistent=False)
+        self.core_fn = None  # optional replacement of self.core
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``(b, heads, s, head_dim)`` q, k, v; same shape out."""
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=True)
+        s = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (b, heads, s, s)
+        att = att.masked_fill(~self.mask[:s, :s], float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        return att @ v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape  # (batch, seq, hidden)
@@ -71,10 +103,8 @@ class CausalSelfAttention(nn.Module):
         # (b, s, h) -> (b, heads, s, h / heads)
         q, k, v = (t.view(b, s, self.n_heads, h // self.n_heads).transpose(1, 2)
                    for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (b, heads, s, s)
-        att = att.masked_fill(~self.mask[:s, :s], float("-inf"))
-        att = self.attn_drop(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(b, s, h)
+        y = (self.core_fn or self.core)(q, k, v)
+        y = y.transpose(1, 2).reshape(b, s, h)
         return self.resid_drop(self.proj(y))
 
 
@@ -99,7 +129,9 @@ class GPT(nn.Module):
     """A decoder-only language model: embeddings, ``n_layers`` blocks, a head.
 
     ``forward(idx)`` returns logits ``(batch, seq, vocab)``; ``forward(idx, targets)``
-    returns ``(logits, loss)`` with the mean cross-entropy over all tokens.
+    returns ``(logits, loss)`` with the mean cross-entropy over all tokens. ``pos``
+    gives each token's position (default ``0 .. seq-1``); a context-parallel rank
+    holding chunks of a longer sequence passes their global positions (Chapter 12).
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -115,11 +147,16 @@ class GPT(nn.Module):
             self.head.weight = self.tok_emb.weight
         self.apply(_init_weights)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                pos: torch.Tensor | None = None):
         b, s = idx.shape
         if s > self.cfg.seq_len:
             raise ValueError(f"sequence length {s} exceeds seq_len={self.cfg.seq_len}")
-        pos = torch.arange(s, device=idx.device)
+        if pos is None:
+            pos = torch.arange(s, device=idx.device)
+        elif pos.shape != (s,):
+            raise ValueError(f"pos has shape {tuple(pos.shape)}; it must be ({s},), "
+                             "one position per token of idx")
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
