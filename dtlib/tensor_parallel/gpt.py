@@ -90,8 +90,11 @@ class ParallelSelfAttention(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (b, s, heads_here * head_dim)
+        qkv = self.qkv(x)
+        # the sizes of qkv, not of x: under sequence parallelism (Chapter 12) x holds
+        # s/t tokens and qkv, after the all-gather, all s
+        b, s, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)  # each (b, s, heads_here * head_dim)
         q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))  # (b, heads_here, s, head_dim)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)

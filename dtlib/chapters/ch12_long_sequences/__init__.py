@@ -1,0 +1,1 @@
+"""Chapter 12, long sequences: what the page runs (``runs``) and draws (``figures``)."""
