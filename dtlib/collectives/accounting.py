@@ -64,6 +64,13 @@ from dtlib.collectives.comm_log import (_ACTIVE, _LOCK, OPS, CommLog, CommRecord
 _SAVED: dict[tuple[Any, str], Callable[..., Any]] = {}
 
 
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    try:
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    except Exception:  # not initialised or not a member
+        return ()
+
+
 def _group_size(group: Any) -> int:
     try:
         return dist.get_world_size(group)
@@ -113,7 +120,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         numel = _numel(msg) * (group_size if times_group else 1)
         first = _first_tensor(msg)
         record(op, numel, first.element_size() if first is not None else 0,
-               group_size, "torch.distributed")
+               group_size, "torch.distributed", _group_ranks(bound.get("group")))
         with _counted():
             return fn(*args, **kwargs)
 

@@ -68,6 +68,24 @@ def _c10d_group_size(args: tuple) -> int:
     return -1
 
 
+def _group_ranks(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """Global ranks of the group a dispatcher-level collective names (or ())."""
+    for a in (*args, *kwargs.values()):
+        try:
+            if isinstance(a, str):
+                group = c10d._resolve_process_group(a)
+            elif isinstance(a, torch.ScriptObject):
+                group = dist.ProcessGroup.unbox(a)
+            elif isinstance(a, dist.ProcessGroup):
+                group = a
+            else:
+                continue
+            return tuple(dist.get_process_group_ranks(group))
+        except Exception:
+            continue
+    return ()
+
+
 def _dispatch_record(func: Any, args: tuple, kwargs: dict) -> None:
     namespace = getattr(func, "namespace", "")
     name = func._overloadpacket.__name__.split(".")[-1]
@@ -92,7 +110,7 @@ def _dispatch_record(func: Any, args: tuple, kwargs: dict) -> None:
         return
     first = _first_tensor(args[0])
     record(op, numel, first.element_size() if first is not None else 0, group_size,
-           source)
+           source, _group_ranks(args, kwargs))
 
 
 def make_mode() -> Any:

@@ -32,6 +32,7 @@ class CommRecord:
     bytes: ``numel`` times the element size.
     group_size: ranks in the group the op ran on.
     source: where it was seen: "torch.distributed", "functional", "c10d", "ddp_hook".
+    ranks: global ranks of that group, when known (which mesh dimension it ran on).
     """
 
     op: str
@@ -39,6 +40,7 @@ class CommRecord:
     bytes: int
     group_size: int
     source: str
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -95,7 +97,7 @@ def _counted() -> Iterator[None]:
 
 
 def record(op: str, numel: int, element_size: int, group_size: int,
-           source: str) -> None:
+           source: str, ranks: tuple[int, ...] = ()) -> None:
     """Append one record to every active :func:`count_comms` log (no-op when none).
 
     Public so that hand-written communication (Chapter 2's ring collectives, a custom
@@ -104,7 +106,7 @@ def record(op: str, numel: int, element_size: int, group_size: int,
     if op not in OPS:
         raise ValueError(f"op={op!r} is not a collective; allowed: {OPS}")
     rec = CommRecord(op, int(numel), int(numel) * int(element_size), int(group_size),
-                     source)
+                     source, tuple(int(r) for r in ranks))
     with _LOCK:
         for log in _ACTIVE:
             log.records.append(rec)

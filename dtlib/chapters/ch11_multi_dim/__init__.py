@@ -1,0 +1,1 @@
+"""Chapter 11: parallelism in several dimensions (page code)."""
