@@ -13,10 +13,9 @@ and Yuan 2009 for the ring):
 - :func:`tree_broadcast`: a binomial tree, ceil(log2 n) rounds.
 - :func:`naive_all_reduce`: everything to one rank, sum there, send back: the contrast.
 
-Deadlock freedom: each ring step posts the send before waiting for the receive
-(``isend`` + ``irecv``), so no rank blocks in a send that its neighbour would answer
-only after its own send completes. A rank waits only for what it needs (the incoming
-chunk); its sends are waited for at the end, since a sent chunk is not written again.
+Deadlock freedom: each ring step posts its send and its receive together, in one
+``batch_isend_irecv``, so no rank blocks in a send that its neighbour would answer only
+after its own send completes (gloo forgives a lone blocking send, NCCL does not).
 
 Groups: ``group`` ranks are numbered 0..n-1 inside the group; send/recv take *global*
 ranks, so neighbours are translated with ``dist.get_global_rank``.
@@ -69,15 +68,23 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def _exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, right: int, left: int,
-              group: Any, pending: list) -> None:
-    """Post a send to ``right`` and a receive from ``left`` together (global ranks);
-    wait for the receive only. The send's handle goes to ``pending``: its chunk is not
-    written again in this collective, so the rank need not wait for its neighbour to
-    take it before moving on (waited for at the end)."""
+              group: Any) -> None:
+    """Send to ``right`` and receive from ``left`` (global ranks) as one batch.
+
+    Every rank of the ring sends at the same moment. gloo buffers the sends, but
+    NCCL's send may wait for the peer's matching receive: posted alone, the sends of a
+    2-rank ring wait for each other forever. ``batch_isend_irecv`` posts both
+    operations together (one NCCL group), so each rank's receive is already there
+    when its neighbour sends. Empty chunks are skipped on both sides alike."""
+    c10d = dist.distributed_c10d  # looked up now: patched isend (accounting) is seen
+    ops = []
     if send_buf.numel():
-        pending.append(dist.isend(send_buf, right, group=group))
+        ops.append(dist.P2POp(c10d.isend, send_buf, right, group))
     if recv_buf.numel():
-        dist.irecv(recv_buf, left, group=group).wait()
+        ops.append(dist.P2POp(c10d.irecv, recv_buf, left, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def _ring_reduce_scatter_(flat: torch.Tensor, group: Any,
@@ -90,7 +97,6 @@ def _ring_reduce_scatter_(flat: torch.Tensor, group: Any,
     # One receive buffer (the largest chunk): each receive is complete before reuse.
     recv = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype,
                        device=flat.device)
-    pending: list = []
     for step in range(n - 1):
         # Send the partial sum of chunk (rank - step - 1); receive chunk
         # (rank - step - 2), add our own contribution. After n-1 steps chunk `rank`
@@ -98,12 +104,10 @@ def _ring_reduce_scatter_(flat: torch.Tensor, group: Any,
         s0, s1 = bounds[(rank - step - 1) % n]
         r0, r1 = bounds[(rank - step - 2) % n]
         buf = recv[: r1 - r0]
-        _exchange(flat[s0:s1], buf, right, left, group, pending)
+        _exchange(flat[s0:s1], buf, right, left, group)
         flat[r0:r1].add_(buf)
         if on_step is not None:
             on_step()
-    for w in pending:
-        w.wait()
     return bounds[rank]
 
 
@@ -113,16 +117,13 @@ def _ring_all_gather_(flat: torch.Tensor, group: Any,
     rank, n = _group(group)
     bounds = chunk_bounds(flat.numel(), n)
     right, left = _global(group, (rank + 1) % n), _global(group, (rank - 1) % n)
-    pending: list = []
     for step in range(n - 1):
         # Forward chunk (rank - step): ours first, then the one that just arrived.
         s0, s1 = bounds[(rank - step) % n]
         r0, r1 = bounds[(rank - step - 1) % n]
-        _exchange(flat[s0:s1], flat[r0:r1], right, left, group, pending)
+        _exchange(flat[s0:s1], flat[r0:r1], right, left, group)
         if on_step is not None:
             on_step()
-    for w in pending:
-        w.wait()
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor,

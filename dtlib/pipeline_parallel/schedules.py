@@ -29,8 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.runtime.dist import sync, world
+
 __all__ = ["SCHEDULES", "Event", "StepResult", "schedule_order", "bubble_fraction",
-           "simulate", "idle_fractions", "in_flight_peak", "pipeline_step"]
+           "simulate", "idle_fractions", "in_flight_peak", "P2P", "p2p_plan",
+           "pipeline_step"]
 
 SCHEDULES = ("gpipe", "1f1b")
 Action = tuple[str, int]
@@ -160,6 +163,56 @@ def in_flight_peak(order: list[Action]) -> int:
     return peak
 
 
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point message of a step, seen from the stage that issues it.
+
+    op: ``"send"`` or ``"recv"``; what: ``"act"`` (forward activation) or ``"grad"``
+    (its gradient, going back); mb: the micro-batch; peer: the other stage's index.
+    """
+
+    op: str
+    what: str
+    mb: int
+    peer: int
+
+
+def p2p_plan(schedule: str, stage: int, n_stages: int,
+             n_microbatches: int) -> list[tuple[tuple[P2P, ...], Action | None]]:
+    """The messages stage ``stage`` exchanges, batched as NCCL needs them.
+
+    NCCL's send may wait until the peer posts the matching receive. If two stages
+    both block in a send to each other (1F1B, p = 2: stage 0 sends activation 1 while
+    stage 1 sends gradient 0) neither ever receives: a deadlock gloo hides by buffering.
+    So, as torch's ``Schedule1F1B`` does, each action's outgoing message is not sent
+    alone: it is issued in one ``batch_isend_irecv`` with the receive the *next*
+    action needs (forward-send with backward-receive, backward-send with the next
+    forward-receive), and the batch is waited for as a whole.
+
+    Args:
+        schedule, stage, n_stages, n_microbatches: as :func:`schedule_order`.
+    Returns:
+        ``[(batch, action), ...]``: issue ``batch`` (possibly empty), wait for it, then
+        run ``action``; the last entry has action ``None`` (the final sends).
+
+    Taught in: Chapter 6, "Sends that cannot deadlock".
+    """
+    first, last = stage == 0, stage == n_stages - 1
+    plan: list[tuple[tuple[P2P, ...], Action | None]] = []
+    pending: tuple[P2P, ...] = ()  # the previous action's outgoing message
+    for kind, i in schedule_order(schedule, stage, n_stages, n_microbatches):
+        if kind == "F":
+            recv = () if first else (P2P("recv", "act", i, stage - 1),)
+            plan.append((pending + recv, (kind, i)))
+            pending = () if last else (P2P("send", "act", i, stage + 1),)
+        else:
+            recv = () if last else (P2P("recv", "grad", i, stage + 1),)
+            plan.append((pending + recv, (kind, i)))
+            pending = () if first else (P2P("send", "grad", i, stage - 1),)
+    plan.append((pending, None))
+    return plan
+
+
 @dataclass
 class StepResult:
     """What :func:`pipeline_step` returns on each stage.
@@ -184,9 +237,9 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
 
     Each micro-batch's loss is divided by ``n_microbatches``, so the gradients are
     those of the mean of the micro-batch losses: with equal micro-batches, the
-    full-batch mean loss. Sends are ``isend`` (never block), receives block: each
-    stage only waits for data its schedule needs next, so a valid order cannot
-    deadlock; all sends are waited for at the end.
+    full-batch mean loss. Messages follow :func:`p2p_plan`: each action's outgoing
+    message goes in one ``batch_isend_irecv`` with the next action's receive, so no
+    two stages ever block sending to each other (NCCL's rule, not only gloo's).
 
     Args:
         stage_module: this rank's stage (stage index = rank in ``group``).
@@ -227,47 +280,62 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
     def peer(s: int) -> int:
         return dist.get_global_rank(group, s) if group is not None else s
 
+    device = world().device
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    sends: list = []
+    outgoing: dict[tuple[str, int], torch.Tensor] = {}  # sent by the next batch
     events: list[Event] = []
     live = peak = 0
-    total_loss = torch.zeros(())
+    total_loss = torch.zeros((), device=device)
     if p > 1:
         dist.barrier(group=group)
+    sync(device)
     t0 = time.perf_counter()
-    for kind, i in order:
+    for batch, action in p2p_plan(schedule, rank, p, m):
+        # Receive buffers (micro_batch, seq, hidden) on the rank's device: NCCL
+        # rejects CPU tensors.
+        incoming = {(msg.what, msg.mb): torch.empty(act_shape, dtype=act_dtype,
+                                                    device=device)
+                    for msg in batch if msg.op == "recv"}
+        c10d = dist.distributed_c10d  # looked up now: a patched isend is seen
+        ops = [dist.P2POp(c10d.isend if msg.op == "send" else c10d.irecv,
+                          outgoing.pop((msg.what, msg.mb)) if msg.op == "send"
+                          else incoming[msg.what, msg.mb], peer(msg.peer), group)
+               for msg in batch]
+        if ops:  # one batch: sends and receives posted together, waited together
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if action is None:
+            break
+        kind, i = action
         if kind == "F":
             if first:
                 x = x_mbs[i]
             else:
-                x = torch.empty(act_shape, dtype=act_dtype)
-                dist.recv(x, src=peer(rank - 1), group=group)
-                x.requires_grad_(True)
+                x = incoming["act", i].requires_grad_(True)
+            sync(device)
             start = time.perf_counter() - t0
             out = stage_module(x)
             if last:
                 out = loss_fn(out, y_mbs[i]) / m
                 total_loss += out.detach()
+            sync(device)
             events.append(Event(rank, "F", i, start, time.perf_counter() - t0))
             if not last:
-                sends.append(dist.isend(out.detach(), dst=peer(rank + 1), group=group))
+                outgoing["act", i] = out.detach()
             held[i] = (x, out)
             live += 1
             peak = max(peak, live)
         else:
             x, out = held.pop(i)
-            grad = None
-            if not last:
-                grad = torch.empty(act_shape, dtype=act_dtype)
-                dist.recv(grad, src=peer(rank + 1), group=group)
+            grad = None if last else incoming["grad", i]
+            sync(device)
             start = time.perf_counter() - t0
             out.backward(grad)
+            sync(device)
             events.append(Event(rank, "B", i, start, time.perf_counter() - t0))
             if not first:
-                sends.append(dist.isend(x.grad, dst=peer(rank - 1), group=group))
+                outgoing["grad", i] = x.grad
             live -= 1
-    for work in sends:
-        work.wait()
     if p > 1:  # every stage reports the loss the last one computed
         dist.broadcast(total_loss, src=peer(p - 1), group=group)
     return StepResult(total_loss.item(), events, peak)

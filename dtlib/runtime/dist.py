@@ -170,6 +170,20 @@ def destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait until ``device`` (default: this rank's) has finished the work queued on it.
+
+    CUDA runs kernels asynchronously: a timer read right after a call measures the
+    time to *queue* it. Call this before reading a clock around GPU work. A no-op on
+    CPU, where every op has finished when it returns.
+
+    Taught in: Chapter 0; used by every benchmark and measured timeline.
+    """
+    device = torch.device(device) if device is not None else world().device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 
 def world_info() -> dict[str, Any]:
     """Everything a bug report about a distributed run should start with.
