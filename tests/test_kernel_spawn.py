@@ -29,3 +29,29 @@ def test_notebook_function_runs_on_four_ranks(no_leftovers: None) -> None:
     outputs = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
     assert outputs[2].strip() == "[6, 16, 26, 36]"
     assert outputs[3].strip() == "[0, -10, -20, -30]"
+
+
+SKIP_CELL = """%%torchrun -n 2 --timeout 30
+import torch
+import torch.distributed as dist
+from dtlib.runtime import dist as ddist
+world = ddist.init()
+t = torch.ones(1)
+if world.rank == 0:
+    dist.all_reduce(t)
+print("done", world.rank)"""
+
+
+def test_torchrun_cell_that_skips_a_collective_names_waiter_and_finisher(
+        no_leftovers: None) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("%load_ext dtlib"),
+                                         nbformat.v4.new_code_cell(SKIP_CELL)])
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    error = next(o for o in nb.cells[1].outputs if o.output_type == "error")
+    shown = "\n".join(error.traceback)
+    assert error.ename == "CollectiveMismatch"
+    assert "rank 0: in all_reduce at cell line 8: dist.all_reduce(t)" in shown
+    assert "rank 1: finished without calling all_reduce" in shown
+    assert "failed" not in shown and "died" not in shown
+    # The report is the message, not the launcher's frames.
+    assert "launch.py" not in shown

@@ -85,8 +85,8 @@ INTERRUPTED = """
 HANG = """
     import time
     from dtlib.runtime import dist as ddist
-    ddist.init()
-    print("up", flush=True)
+    world = ddist.init()
+    open({up!r} + str(world.rank), "w").close()
     time.sleep(600)
 """
 
@@ -99,7 +99,8 @@ HELLO = """
 
 
 def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers) -> None:
-    hang = _script(tmp_path, HANG, "hang.py")
+    up = str(tmp_path / "up")
+    hang = _script(tmp_path, HANG.format(up=up), "hang.py")
     driver = _script(tmp_path, INTERRUPTED.format(
         hang=hang, hello=_script(tmp_path, HELLO, "hello.py")), "driver.py")
     proc = subprocess.Popen([sys.executable, driver], stdout=subprocess.PIPE, text=True)
@@ -111,13 +112,20 @@ def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers)
                 break
             time.sleep(0.2)
         assert len(workers) == 2, "the ranks never started"
-        time.sleep(2.0)  # let them import torch and reach the sleep
+        while time.monotonic() < deadline and not all(
+                os.path.exists(up + str(r)) for r in range(2)):
+            time.sleep(0.2)  # until both ranks have joined and reached the sleep
+        time.sleep(0.5)
         proc.send_signal(signal.SIGINT)  # what Jupyter's stop button sends the kernel
         out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert "interrupted" in out
+    # Before ending the ranks, the launcher says where each one was.
+    assert "Interrupted. Where each rank was:" in out
+    assert "rank 0: at hang.py line 6: time.sleep(600)" in out
+    assert "rank 1: at hang.py line 6: time.sleep(600)" in out
     assert "next launch ok 0" in out
     gone, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive, "an interrupted rank survived"

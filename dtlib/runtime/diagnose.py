@@ -47,11 +47,20 @@ def parse_stack(text: str) -> list[list[Frame]]:
     return [t for t in threads if t]
 
 
+#: Code without a file that is still the reader's: a function sent by value
+#: (cloudpickle), a notebook cell, a learner's answer a checker executes.
+_READER_PSEUDO_FILES = ("<dynamic-code>", "<ipython-input", "<cell>", "<your ")
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 def _is_library(path: str) -> bool:
+    if path.startswith(_READER_PSEUDO_FILES):
+        return False
     if path.startswith("<"):  # <frozen runpy>, <string>
         return True
     path = os.path.abspath(path)
-    return path.startswith(_TORCH_DIR) or path.startswith(_STDLIB)
+    # The launcher's own frames (which call the reader's function) are plumbing too.
+    return path.startswith((_TORCH_DIR, _STDLIB, _RUNTIME_DIR + os.sep))
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -91,21 +100,104 @@ def _source(frame: Frame) -> str:
     return linecache.getline(frame.file, frame.line).strip()
 
 
+def _place(frame: Frame, label: str | None) -> str:
+    label = label or f"{os.path.basename(frame.file)} line"
+    return f"{label} {frame.line}: {_source(frame)}"
+
+
+def exception_frames(exc: dict | None) -> list[Frame]:
+    """The frames a recorded exception (``worker.record_exception``) passed through,
+    innermost first."""
+    return [Frame(f, int(n), fn) for f, n, fn in reversed((exc or {}).get("frames", []))]
+
+
+def describe_finished_rank(rank: int, awaited: str | None) -> str:
+    """One line for a rank whose program returned normally while others still waited."""
+    what = awaited or "the collective its peers wait in"
+    return f"rank {rank}: finished without calling {what} (its program returned, exit 0)"
+
+
 def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | None,
-                       label: str | None = None) -> str:
-    """One line saying where ``rank`` was when the launch timed out."""
+                       label: str | None = None, finished: bool = False,
+                       awaited: str | None = None) -> str:
+    """One line saying where ``rank`` was when the launch timed out.
+
+    Args:
+        finished: the rank had returned normally (``rank{k}.done``), not died.
+        awaited: the collective the other ranks wait in, to name in that case.
+    """
     if not alive:
+        if finished:
+            return describe_finished_rank(rank, awaited)
         return f"rank {rank}: had already exited; it never called what the others wait in"
     if not stack:
         return f"rank {rank}: alive but left no stack (still starting up, or not Python)"
     frame, collective = where(parse_stack(stack), script)
     if frame is None:
         return f"rank {rank}: no frame of the script on its stack (still importing?)"
-    label = label or f"{os.path.basename(frame.file)} line"
-    place = f"{label} {frame.line}: {_source(frame)}"
+    place = _place(frame, label)
     if collective:
         return f"rank {rank}: in {collective} at {place}  <- waiting for its peers"
     return f"rank {rank}: at {place}  <- not in a collective: never joined the others"
+
+
+def describe_raised_rank(rank: int, exc: dict, script: str | None,
+                         label: str | None = None) -> tuple[str, str | None]:
+    """Where a rank was when it raised: ``(line, collective or None)``."""
+    frame, collective = where([exception_frames(exc)], script)
+    if frame is None:
+        return f"rank {rank}: raised {exc['type']}: {exc['message']}", None
+    place = _place(frame, label)
+    if collective and is_peer_loss(exc):
+        return (f"rank {rank}: in {collective} at {place}  <- waiting for its peers "
+                "when they left"), collective
+    what = f"in {collective} " if collective else ""
+    return f"rank {rank}: raised {exc['type']} {what}at {place}", collective
+
+
+def finished_mismatch(nproc: int, exceptions: dict[int, dict], finished: set[int],
+                      script: str | None, label: str | None = None
+                      ) -> tuple[str, list[str]] | None:
+    """Some ranks finished while the others waited in a collective: say so.
+
+    With gloo, a peer that exits makes the ranks still waiting for it raise "Connection
+    closed by peer"; those errors are echoes, and the finished ranks did not fail.
+
+    Args:
+        nproc: ranks in the launch.
+        exceptions: rank -> recorded exception (only peer-loss errors qualify).
+        finished: ranks whose program returned normally.
+    Returns:
+        ``(message, report)`` (one report line per rank), or None when the launch
+        does not look like this (nobody finished, or a rank raised its own error).
+    """
+    if not finished or any(not is_peer_loss(e) for e in exceptions.values()):
+        return None
+    lines: dict[int, str] = {}
+    waits: dict[int, str] = {}
+    for r in range(nproc):
+        if r in finished:
+            continue
+        if r in exceptions:
+            lines[r], collective = describe_raised_rank(r, exceptions[r], script, label)
+            if collective:
+                waits[r] = collective
+        else:
+            lines[r] = f"rank {r}: stopped by the launcher (it left no record)"
+    awaited = next(iter(waits.values()), None)
+    for r in finished:
+        lines[r] = describe_finished_rank(r, awaited)
+    done = sorted(finished)
+    head = (f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished "
+            f"without calling {awaited or 'the collective the others wait in'}")
+    if waits:
+        head += (f", which rank{'s' if len(waits) > 1 else ''} "
+                 f"{', '.join(map(str, sorted(waits)))} "
+                 f"wait{'' if len(waits) > 1 else 's'} in")
+    report = [lines[r] for r in range(nproc)]
+    msg = (f"{head}. Nothing crashed: the ranks did not call the same collectives.\n"
+           "Where each rank was:\n  " + "\n  ".join(report) + "\n" + HANG_HINT)
+    return msg, report
 
 
 def mismatch_summary(stacks: dict[int, str], script: str | None) -> str | None:

@@ -159,6 +159,11 @@ def init(
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world_size)
     dist.init_process_group(**kwargs)
+    if world_size > 1:
+        # Every rank leaves init connected to every other: a fast rank that finishes
+        # and exits must not make a slow peer fail inside init, where no report can
+        # say which of the reader's collectives it was waiting for.
+        dist.barrier()
     # Leaving without destroying the group makes some torch versions abort at exit
     # ("terminate called without an active exception"); a script need not remember.
     atexit.register(destroy)

@@ -18,6 +18,7 @@ Taught in: Chapter 0, "Hello, distributed".
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -25,15 +26,17 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from dtlib.runtime import diagnose, worker
-from dtlib.runtime.supervise import (LaunchError, LaunchResult, LaunchTimeout, Supervisor,
-                             kill_tree, threads_per_rank)
+from dtlib.runtime.supervise import (CollectiveMismatch, LaunchError, LaunchResult,
+                                    LaunchTimeout, Supervisor, kill_tree,
+                                    threads_per_rank)
 
 __all__ = ["torchrun", "spawn", "default_nproc", "LaunchError", "LaunchTimeout",
+           "CollectiveMismatch",
            "LaunchResult", "kill_tree", "threads_per_rank", "CPU_NPROC",
            "DEFAULT_TIMEOUT_S"]
 
@@ -79,7 +82,7 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
     if script is not None and not os.path.isfile(script):
         raise ValueError(f"target={os.fspath(target)!r}: no such script")
     sup = Supervisor(nproc, stream, label or ("line" if module else
-                                               f"{os.path.basename(script)} line"))
+                                               f"{os.path.basename(script)} line"), script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "--monitor_interval=0.1",
            "-m", "dtlib.runtime.worker", *(["-m", os.fspath(target)] if module else [script]),
@@ -92,20 +95,28 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
     reader = threading.Thread(target=lambda: agent_out.extend(
         line.decode(errors="replace") for line in proc.stdout), daemon=True)
     reader.start()
+    settled_at = None
     try:
-        while proc.poll() is None:
-            sup.pump()
-            sup.watch()
-            if time.monotonic() - start > timeout:
+        with _interrupt_report(sup, script):
+            while proc.poll() is None:
                 sup.pump()
-                raise sup.timeout_error(timeout, script)
-            time.sleep(_POLL_S)
+                sup.watch()
+                if sup.settled_with_error():
+                    # Every rank finished or raised: judge now (after the echoes land).
+                    settled_at = settled_at or time.monotonic()
+                    if time.monotonic() - settled_at > 0.5:
+                        raise sup.root_cause_error(
+                            diagnose.torchrun_exit_codes("".join(agent_out)))
+                if time.monotonic() - start > timeout:
+                    sup.pump()
+                    raise sup.timeout_error(timeout, script)
+                time.sleep(_POLL_S)
         reader.join(timeout=5)
         sup.pump(final=True)
         if proc.returncode != 0:
             codes = diagnose.torchrun_exit_codes("".join(agent_out))
             error = sup.root_cause_error(codes)
-            if error.rank is None:
+            if error.rank is None and not isinstance(error, CollectiveMismatch):
                 error = sup.failure(None, f"torchrun {diagnose.exit_cause(proc.returncode)}"
                                     f":\n{diagnose.tail(''.join(agent_out))}")
             raise error
@@ -114,6 +125,20 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
         # Runs on success, failure, timeout and KeyboardInterrupt alike.
         kill_tree([proc.pid, *sup.rank_pids().values()])
         sup.close()
+
+
+@contextlib.contextmanager
+def _interrupt_report(sup: Supervisor, script: str | None) -> Iterator[None]:
+    """On KeyboardInterrupt (Jupyter's stop button), print where each rank was first."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        try:
+            sup.pump()
+            print(sup.interrupt_report(script), flush=True)
+        except Exception:  # the report is a courtesy; the interrupt must go through
+            pass
+        raise
 
 
 def _check_launch_args(nproc: int, timeout: float) -> None:
@@ -153,6 +178,7 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int,
         if isinstance(fn, _ByValue):
             fn = fn.load()
         value = fn(*args, **kwargs)
+        worker.record_finish(log_dir, rank)
         # Plain pickle copies tensors by value. Connection.send would use torch's
         # shared-memory reduction, whose segment dies with this process.
         conn.send_bytes(pickle.dumps(("ok", value)))
@@ -242,30 +268,31 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
     try:
         for p in procs:
             p.start()
-        while len(values) < world_size:
-            sup.pump()
-            failed = False
-            for r, (recv, _) in enumerate(pipes):
-                if r not in values and recv.poll():
-                    status, value = pickle.loads(recv.recv_bytes())
-                    failed |= status == "error"
-                    if status == "ok":
-                        values[r] = value
-            for r, p in enumerate(procs):
-                if p.exitcode not in (None, 0):
-                    sup.deaths.setdefault(r, time.time())
-                    failed = True
-            if failed:
-                time.sleep(0.3)  # let the first failure's echoes land before judging
-                codes = {r: p.exitcode for r, p in enumerate(procs)
-                         if p.exitcode not in (None, 0)}
-                for r in codes:
-                    sup.deaths.setdefault(r, time.time())
-                raise sup.root_cause_error(codes)
-            if time.monotonic() - start > timeout:
+        with _interrupt_report(sup, None):
+            while len(values) < world_size:
                 sup.pump()
-                raise sup.timeout_error(timeout, None)
-            time.sleep(_POLL_S)
+                failed = False
+                for r, (recv, _) in enumerate(pipes):
+                    if r not in values and recv.poll():
+                        status, value = pickle.loads(recv.recv_bytes())
+                        failed |= status == "error"
+                        if status == "ok":
+                            values[r] = value
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0):
+                        sup.deaths.setdefault(r, time.time())
+                        failed = True
+                if failed:
+                    time.sleep(0.3)  # let the first failure's echoes land before judging
+                    codes = {r: p.exitcode for r, p in enumerate(procs)
+                             if p.exitcode not in (None, 0)}
+                    for r in codes:
+                        sup.deaths.setdefault(r, time.time())
+                    raise sup.root_cause_error(codes)
+                if time.monotonic() - start > timeout:
+                    sup.pump()
+                    raise sup.timeout_error(timeout, None)
+                time.sleep(_POLL_S)
         for p in procs:
             p.join(timeout=max(1.0, timeout - (time.monotonic() - start)))
         sup.pump(final=True)

@@ -42,6 +42,20 @@ class LaunchError(RuntimeError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class CollectiveMismatch(LaunchError):
+    """Some ranks finished while others waited in a collective they never called.
+
+    ``finished`` lists the ranks that returned normally; ``report`` says where each
+    rank was. No rank is to blame by itself, so ``rank`` is None.
+    """
+
+    def __init__(self, message: str, report: list[str], finished: list[int],
+                 outputs: dict[int, str] | None = None) -> None:
+        super().__init__(message, None, outputs)
+        self.report = report
+        self.finished = finished
+
+
 class LaunchTimeout(LaunchError):
     """The launch ran past its timeout; ``report`` says where each rank was."""
 
@@ -64,8 +78,10 @@ class LaunchResult:
 class Supervisor:
     """Tails per-rank logs, watches processes, and cleans up. Shared by both launchers."""
 
-    def __init__(self, nproc: int, stream: bool, label: str | None) -> None:
+    def __init__(self, nproc: int, stream: bool, label: str | None,
+                 script: str | None = None) -> None:
         self.nproc = nproc
+        self.script = script  # the launched script (None: the caller's own code)
         self.stream = stream
         self.label = label
         self.log_dir = tempfile.mkdtemp(prefix="dtlib-launch-")
@@ -143,14 +159,53 @@ class Supervisor:
                 stacks[r] = f.read()
         return stacks
 
-    def timeout_error(self, timeout: float, script: str | None) -> LaunchTimeout:
+    def finished(self) -> set[int]:
+        """Ranks whose program returned normally (see ``worker.record_finish``)."""
+        return {r for r in range(self.nproc)
+                if os.path.exists(os.path.join(self.log_dir, f"rank{r}.done"))}
+
+    def settled_with_error(self) -> bool:
+        """Every rank has either finished or recorded an exception, and one raised.
+
+        Then the outcome is known: the launcher need not wait for torchrun's agent to
+        notice (a rank whose collective failed can take many seconds to exit).
+        """
+        records = [os.path.exists(os.path.join(self.log_dir, f"rank{r}.{kind}"))
+                   for r in range(self.nproc) for kind in ("done", "exc")]
+        done, exc = records[0::2], records[1::2]
+        return any(exc) and all(d or e for d, e in zip(done, exc))
+
+    def where_each_rank_is(self, script: str | None,
+                           wait_s: float = 2.0) -> tuple[list[str], dict[int, str]]:
+        """One line per rank saying where it is now, and the stacks behind them."""
         pids = self.rank_pids()
-        stacks = self.collect_stacks()
-        report = [
-            diagnose.describe_hung_rank(r, stacks.get(r), r in pids and _alive(pids[r]),
-                                        script, self.label)
-            for r in range(self.nproc)
-        ]
+        stacks = self.collect_stacks(wait_s)
+        finished = self.finished()
+        exceptions = {r: e for r in range(self.nproc)
+                      if (e := diagnose.read_exception(self.log_dir, r)) is not None}
+        frames = [diagnose.parse_stack(t) for t in stacks.values()] + [
+            [diagnose.exception_frames(e)] for e in exceptions.values()]
+        awaited = next((c for threads in frames
+                        if (c := diagnose.where(threads, script)[1])), None)
+        report = []
+        for r in range(self.nproc):
+            alive = r in pids and _alive(pids[r])
+            exc = exceptions.get(r)
+            if not alive and r not in finished and exc is not None:
+                report.append(diagnose.describe_raised_rank(r, exc, script, self.label)[0])
+                continue
+            report.append(diagnose.describe_hung_rank(
+                r, stacks.get(r), alive, script, self.label, finished=r in finished,
+                awaited=awaited))
+        return report, stacks
+
+    def interrupt_report(self, script: str | None) -> str:
+        """Where each rank was when the reader interrupted the launch."""
+        report, _ = self.where_each_rank_is(script, wait_s=1.0)
+        return "Interrupted. Where each rank was:\n  " + "\n  ".join(report)
+
+    def timeout_error(self, timeout: float, script: str | None) -> LaunchTimeout:
+        report, stacks = self.where_each_rank_is(script)
         mismatch = diagnose.mismatch_summary(stacks, script)
         msg = (f"launch timed out after {timeout:g} s; the ranks were stopped.\n"
                "Where each rank was:\n  " + "\n  ".join(report) + "\n"
@@ -165,7 +220,24 @@ class Supervisor:
         else:
             detail = diagnose.tail(texts.get(rank, "")) if rank is not None else ""
         who = f"rank {rank} failed ({cause})" if rank is not None else f"launch failed ({cause})"
-        return LaunchError(f"{who}; the other ranks were stopped.\n{detail}", rank, texts)
+        others = self._others(rank) if rank is not None else []
+        where = ("\nThe other ranks:\n  " + "\n  ".join(others)) if others else ""
+        return LaunchError(f"{who}; the other ranks were stopped.\n{detail}{where}", rank,
+                           texts)
+
+    def _others(self, rank: int) -> list[str]:
+        """Where the ranks other than ``rank`` were, from what they left behind."""
+        finished, lines = self.finished(), []
+        for r in range(self.nproc):
+            exc = diagnose.read_exception(self.log_dir, r)
+            if r == rank:
+                continue
+            if r in finished:
+                lines.append(diagnose.describe_finished_rank(r, None))
+            elif exc is not None:
+                lines.append(diagnose.describe_raised_rank(r, exc, self.script,
+                                                           self.label)[0])
+        return lines
 
     def watch(self) -> None:
         """Note when each rank is first seen dead (to tell cause from echo later)."""
@@ -178,7 +250,16 @@ class Supervisor:
         self.pump(final=True)
         exceptions = {r: e for r in range(self.nproc)
                       if (e := diagnose.read_exception(self.log_dir, r)) is not None}
-        rank, cause = diagnose.root_cause(exceptions, self.deaths, exit_codes)
+        finished = self.finished()
+        mismatch = diagnose.finished_mismatch(self.nproc, exceptions, finished,
+                                              self.script, self.label)
+        if mismatch is not None:
+            msg, report = mismatch
+            return CollectiveMismatch(msg, report, sorted(finished), self.texts())
+        # A rank that returned normally is never a death, whatever its exit looked like.
+        rank, cause = diagnose.root_cause(
+            exceptions, {r: t for r, t in self.deaths.items() if r not in finished},
+            {r: c for r, c in exit_codes.items() if r not in finished})
         return self.failure(rank, cause)
 
     def close(self) -> None:

@@ -11,8 +11,10 @@
   py-spy because it is in the standard library, works without ptrace permissions (often
   denied in containers), and dumps from inside the process even while a C++ collective
   holds the thread (it runs in the signal handler, not at a bytecode boundary);
-- records an uncaught exception's type and message, so the launcher can name the failing
-  rank and its cause without parsing tracebacks.
+- records an uncaught exception's type, message and frames, so the launcher can name the
+  failing rank, its cause and the line it was on without parsing tracebacks;
+- records a normal finish (``rank{k}.done``), so a rank that exited 0 while its peers
+  still waited in a collective is reported as "finished", never as "died".
 """
 
 from __future__ import annotations
@@ -55,9 +57,17 @@ def record_exception(log_dir: str, rank: int, exc: BaseException) -> None:
     text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(tb))
     text += "".join(traceback.format_exception_only(type(exc), exc))
     info = {"type": type(exc).__name__, "message": str(exc), "traceback": text,
-            "time": time.time()}
+            "time": time.time(),
+            # outermost first, as in the traceback: where the rank was when it raised
+            "frames": [[fr.filename, fr.lineno, fr.name] for fr in tb]}
     with open(os.path.join(log_dir, f"rank{rank}.exc"), "w") as f:
         json.dump(info, f)
+
+
+def record_finish(log_dir: str, rank: int) -> None:
+    """Note that this rank's program returned normally (exit code 0)."""
+    with open(os.path.join(log_dir, f"rank{rank}.done"), "w") as f:
+        f.write(repr(time.time()))
 
 
 def main(argv: list[str]) -> None:
@@ -77,13 +87,18 @@ def main(argv: list[str]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
-        if exc.code not in (None, 0) and log_dir:
-            record_exception(log_dir, rank, exc)
+        if log_dir:
+            if exc.code not in (None, 0):
+                record_exception(log_dir, rank, exc)
+            else:
+                record_finish(log_dir, rank)
         raise
     except BaseException as exc:
         if log_dir:
             record_exception(log_dir, rank, exc)
         raise
+    if log_dir:
+        record_finish(log_dir, rank)
 
 
 if __name__ == "__main__":
