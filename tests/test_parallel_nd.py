@@ -1,7 +1,8 @@
 """Two dimensions of parallelism, proven equal to one process (Chapter 11).
 
 On 4 gloo ranks as 2 x 2 and on 2 ranks as 1 x 2: our tensor parallel inside our
-data parallel on hand-built groups, torch's FSDP2 x TP on a DeviceMesh, and HSDP —
+data parallel on hand-built groups, torch's FSDP2 x TP on a DeviceMesh, HSDP, and
+our pipeline inside our data parallel —
 each against the single-process run (losses, first-step gradients, parameters after
 three AdamW steps), and the bytes on each mesh dimension against the formulas.
 """
@@ -11,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtlib.chapters.ch11_multi_dim.runs import (TINY, all_layouts, comm_by_dim,
-                                               reference)
+from dtlib.chapters.ch11_multi_dim.runs import (PIPELINE, TINY, all_layouts,
+                                               comm_by_dim, reference)
 from dtlib.parallel_nd import data_shard, lines_along, rank_grid
 from dtlib.runtime import launch
 
@@ -44,7 +45,8 @@ def test_rank_grid_lines():
 
 @pytest.fixture(scope="module")
 def truth():
-    return reference(TINY, BATCH, STEPS)
+    return {"gpt": reference(TINY, BATCH, STEPS),
+            "pipeline": reference(PIPELINE, BATCH, STEPS)}
 
 
 @pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2)])
@@ -54,15 +56,19 @@ def test_2d_layouts_equal_one_process(truth, dp, tp):
     for rank, per_layout in enumerate(res):
         for layout, out in per_layout.items():
             where = f"{layout} rank {rank}"
-            torch.testing.assert_close(out["losses"], truth["losses"], rtol=1e-5,
+            ref = truth["pipeline" if layout == "pp_dp" else "gpt"]
+            torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5,
                                        atol=1e-6, msg=where)
-            assert out["grads"].keys() == truth["grads"].keys(), where
-            for name, g in truth["grads"].items():
-                torch.testing.assert_close(out["grads"][name], g, **GRAD_TOL,
+            if layout != "pp_dp":  # a pipeline rank holds its stage only
+                assert out["grads"].keys() == ref["grads"].keys(), where
+            for name, g in out["grads"].items():
+                torch.testing.assert_close(g, ref["grads"][name], **GRAD_TOL,
                                            msg=f"{where} grad {name}")
-            for name, p in truth["params"].items():
-                torch.testing.assert_close(out["params"][name], p, **PARAM_TOL,
+            for name, p in out["params"].items():
+                torch.testing.assert_close(p, ref["params"][name], **PARAM_TOL,
                                            msg=f"{where} param {name}")
+    stages = set().union(*(r["pp_dp"]["params"] for r in res))
+    assert stages == set(truth["pipeline"]["params"])  # the stages cover the model
 
     cfg = TINY
     tp_bytes = 4 * cfg.n_layers * (BATCH // dp) * cfg.seq_len * cfg.hidden * FP32
@@ -88,3 +94,12 @@ def test_2d_layouts_equal_one_process(truth, dp, tp):
         # then each gradient shard is all-reduced across the replicas (FSDP2 calls
         # it even when the replicate dimension has one rank: nothing leaves it)
         assert by_dim["replicate"] == {"all_reduce": shard_bytes}
+        # Chapter 6, two stages: each micro-batch's activation (micro-batch, seq,
+        # hidden) goes forward and its gradient back, on the pp line; Chapter 3:
+        # then each stage's gradients cross the dp line once.
+        pipe = per_layout["pp_dp"]
+        by_dim = comm_by_dim(pipe)
+        act = (BATCH // dp) * PIPELINE.seq_len * PIPELINE.hidden * FP32
+        assert by_dim["pp"]["send"] == by_dim["pp"]["recv"] == act
+        grads = FP32 * sum(g.numel() for g in pipe["grads"].values())
+        assert by_dim.get("dp", {}) == ({"all_reduce": grads} if dp > 1 else {})

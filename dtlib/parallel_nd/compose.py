@@ -9,6 +9,10 @@
   mesh, sharded on dim 0 across dp and split across tp.
 - :func:`hsdp`: FSDP2 on a 2-D mesh ("replicate", "shard"): shard within a group,
   all-reduce the gradient shards across the replicas (ZeRO-3 inside, DDP across).
+- :func:`pipeline_stage_of` and :func:`average_across_replicas`: pipeline inside,
+  data parallel across (ours): each rank runs its stage with Chapter 6's schedule on
+  its pp group, then averages its stage's gradients with the same stage of the
+  other replicas (its dp group).
 
 Taught in: Chapter 11, "Two dimensions, ours and torch's".
 """
@@ -19,9 +23,11 @@ from typing import Any
 
 import torch
 
+from dtlib.data_parallel.buckets import allreduce_grads
 from dtlib.data_parallel.ddp import DataParallel
 from dtlib.models.gpt import GPT
 from dtlib.parallel_nd.grid import GridGroups
+from dtlib.pipeline_parallel.split import GPTStage, split_gpt
 from dtlib.tensor_parallel.gpt import dtensor_parallelize, tensor_parallelize
 from dtlib.zero.fsdp import fully_shard
 
@@ -43,6 +49,37 @@ def tp_inside_dp(model: GPT, grid: GridGroups) -> DataParallel:
         raise ValueError(f"grid dims {grid.names} must be ('dp', 'tp')")
     tensor_parallelize(model, grid.groups["tp"])
     return DataParallel(model, mode="bucketed", group=grid.groups["dp"])
+
+
+def pipeline_stage_of(model: GPT, grid: GridGroups) -> GPTStage:
+    """This rank's pipeline stage: the model cut into ``pp`` balanced stages, the
+    one at this rank's pp coordinate (Chapter 6's :func:`split_gpt`).
+
+    Args:
+        model: a full GPT, built identically on every rank.
+        grid: a grid with a "pp" dimension (and usually "dp").
+    Returns:
+        The :class:`~dtlib.pipeline_parallel.split.GPTStage`; run it with
+        ``pipeline_step(..., group=grid.groups["pp"])``.
+
+    Taught in: Chapter 11, "Pipeline inside, data parallel across".
+    """
+    if "pp" not in grid.groups:
+        raise ValueError(f"grid dims {grid.names} must include 'pp'")
+    pp = grid.sizes[grid.names.index("pp")]
+    return split_gpt(model, pp)[grid.coords["pp"]]
+
+
+def average_across_replicas(stage: torch.nn.Module, grid: GridGroups) -> int:
+    """Average this stage's gradients over the dp group: the same stage of every
+    replica (Chapter 3's naive all-reduce, one call per tensor).
+
+    Returns:
+        The number of all-reduce calls.
+
+    Taught in: Chapter 11, "Pipeline inside, data parallel across".
+    """
+    return allreduce_grads(list(stage.parameters()), group=grid.groups["dp"])
 
 
 def fsdp_tp(model: GPT, mesh: Any) -> GPT:

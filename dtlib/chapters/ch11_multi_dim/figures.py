@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 LAYOUT_LABELS = {"ours": "ours: TP in DP", "torch": "torch: FSDP2 x TP",
-                 "hsdp": "torch: HSDP"}
+                 "hsdp": "torch: HSDP", "pp_dp": "ours: PP in DP"}
 
 
 def plot_bytes_per_dimension(by_layout: dict[str, dict[str, dict[str, int]]],
@@ -31,8 +31,8 @@ def plot_bytes_per_dimension(by_layout: dict[str, dict[str, dict[str, int]]],
     ax.set_xticks(range(len(by_layout)),
                   [LAYOUT_LABELS.get(k, k) for k in by_layout])
     ax.set_ylabel("KiB per rank, one step")
-    ax.set_title("TP moves activations on its rows; DP and FSDP move weights "
-                 "on the columns")
+    ax.set_title("Activations cross the tp and pp lines; gradients and weights "
+                 "the dp lines")
     ax.legend(title="mesh dimension")
     return ax
 

@@ -4,6 +4,7 @@
   grid: ``"ours"`` (hand-built groups, our TP layers in our DataParallel) or
   ``"torch"`` (``init_device_mesh``, ``parallelize_module``, ``fully_shard``);
 - :func:`train_hsdp`: torch's HSDP on a ("replicate", "shard") mesh;
+- :func:`train_pp_dp`: our pipeline (Chapter 6's 1F1B) inside our data parallel;
 - :func:`reference`: the same training on one process (the truth);
 - :func:`comm_by_dim`: the first step's collectives, per mesh dimension.
 
@@ -25,11 +26,14 @@ from dtlib.collectives.accounting import count_comms
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import reference_gpt_run
 from dtlib.models.sizes import size
-from dtlib.parallel_nd import build_grid_groups, data_shard, fsdp_tp, hsdp, tp_inside_dp
+from dtlib.parallel_nd import (average_across_replicas, build_grid_groups, data_shard,
+                               fsdp_tp, hsdp, pipeline_stage_of, tp_inside_dp)
+from dtlib.pipeline_parallel.schedules import pipeline_step
 from dtlib.runtime import dist as ddist
 from dtlib.tensor_parallel.gpt import full_tensors
 
 TINY = size("tiny")
+PIPELINE = size("pipeline")  # 8 blocks, untied head: cut into 2 or 4 stages
 IMPLS = ("ours", "torch")
 
 
@@ -132,6 +136,55 @@ def train_hsdp(replicate: int, shard: int, cfg: GPTConfig = TINY, batch: int = 8
     return out
 
 
+def train_pp_dp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
+                n_microbatches: int = 2, steps: int = 3, lr: float = 1e-3,
+                seed: int = 0) -> dict[str, Any]:
+    """One rank of pipeline-inside, data-parallel-across training (ours).
+
+    Each replica's pipeline runs Chapter 6's 1F1B on its rows of the batch, in
+    ``n_microbatches`` micro-batches; then every stage averages its gradients with
+    the same stage of the other replicas.
+
+    Returns:
+        ``losses``; this stage's ``grads`` (first step) and ``params`` (after the
+        last step) by the full model's names; ``comms`` and ``groups`` as
+        :func:`train_2d`.
+
+    Taught in: Chapter 11, "Pipeline inside, data parallel across".
+    """
+    world = ddist.world()
+    grid = build_grid_groups(("dp", "pp"), (dp, pp))
+    stage = pipeline_stage_of(build_gpt(cfg, seed).to(world.device), grid)
+    opt = torch.optim.AdamW(stage.parameters(), lr=lr)
+    shape = (batch // dp // n_microbatches, cfg.seq_len, cfg.hidden)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                 targets.flatten())
+
+    out: dict[str, Any] = {"losses": [], "groups": {
+        k: tuple(v) for k, v in grid.ranks.items()}}
+    for step in range(steps):
+        idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
+        rows = [data_shard(t, grid.coords["dp"], dp) for t in (idx, targets)]
+        with count_comms(functional=False) as log:
+            res = pipeline_step(stage, *rows, n_microbatches=n_microbatches,
+                                act_shape=shape, loss_fn=loss_fn,
+                                schedule="1f1b", group=grid.groups["pp"])
+            average_across_replicas(stage, grid)
+        if step == 0:
+            out["comms"] = _records(log)
+            out["grads"] = {n: p.grad.detach().cpu().clone()
+                            for n, p in stage.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = torch.tensor(res.loss, device=world.device)
+        dist.all_reduce(mean)  # every replica's loss, each counted pp times
+        out["losses"].append(mean.item() / world.world_size)
+    out["params"] = {n: p.detach().cpu().clone() for n, p in stage.named_parameters()}
+    return out
+
+
 def comm_by_dim(result: dict[str, Any]) -> dict[str, dict[str, int]]:
     """The first step's collectives of one rank, summed per mesh dimension.
 
@@ -152,19 +205,26 @@ def comm_by_dim(result: dict[str, Any]) -> dict[str, dict[str, int]]:
     return out
 
 
-def all_layouts(dp: int, tp: int, cfg: GPTConfig = TINY, batch: int = 8,
+def all_layouts(dp: int, inner: int, cfg: GPTConfig = TINY, batch: int = 8,
                 steps: int = 3) -> dict[str, dict[str, Any]]:
     """One rank of every 2-D layout in turn (one launch for the page and the test).
 
+    Args:
+        dp: replicas (the outer dimension).
+        inner: the inner dimension: tp, HSDP's shard group, and pp.
+        cfg, batch, steps: the GPT of the TP and HSDP layouts and the training;
+            the pipeline layout trains ``PIPELINE`` (8 blocks) in 2 micro-batches.
     Returns:
-        ``{"ours": ..., "torch": ..., "hsdp": ...}``: :func:`train_2d` ours and
-        torch on a dp x tp grid, :func:`train_hsdp` on replicate=dp x shard=tp.
+        ``{"ours": ..., "torch": ..., "hsdp": ..., "pp_dp": ...}``: :func:`train_2d`
+        ours and torch on a dp x tp grid, :func:`train_hsdp` on replicate=dp x
+        shard=inner, :func:`train_pp_dp` on dp x pp.
 
     Taught in: Chapter 11.
     """
-    return {"ours": train_2d("ours", dp, tp, cfg, batch, steps),
-            "torch": train_2d("torch", dp, tp, cfg, batch, steps),
-            "hsdp": train_hsdp(dp, tp, cfg, batch, steps)}
+    return {"ours": train_2d("ours", dp, inner, cfg, batch, steps),
+            "torch": train_2d("torch", dp, inner, cfg, batch, steps),
+            "hsdp": train_hsdp(dp, inner, cfg, batch, steps),
+            "pp_dp": train_pp_dp(dp, inner, PIPELINE, batch, steps=steps)}
 
 
 # ---- the planner against published runs (pure Python; no ranks) ----------------
