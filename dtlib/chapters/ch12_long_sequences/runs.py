@@ -203,3 +203,13 @@ def train_cp(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
         out["losses"].append(total.item() / world.world_size)
     out["params"] = params_of(model)
     return out
+
+
+def tp_and_sp_block(cfg: GPTConfig, batch: int, seed: int = 0) -> dict[str, Any]:
+    """One rank: :func:`sp_block_run` without, then with sequence parallelism.
+
+    Returns:
+        ``{"tp": ..., "sp": ...}`` (one launch for the page instead of two).
+    """
+    return {"tp": sp_block_run(cfg, batch, False, seed),
+            "sp": sp_block_run(cfg, batch, True, seed)}
