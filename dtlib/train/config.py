@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Sequence
 
 STRATEGIES = ("ddp", "fsdp")
+MODELS = ("gpt", "hf-llama")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -27,7 +28,14 @@ class TrainConfig:
         ``fully_shard``: parameters, gradients and optimizer state sharded, ZeRO-3).
     precision: "fp32"; "bf16" (autocast under DDP, a bf16 MixedPrecisionPolicy under
         FSDP; no loss scaler); "fp16" (autocast plus GradScaler, DDP only).
-    n_layers: transformer blocks of the GPT.
+    model: "gpt" (the book's GPT) or "hf-llama" (transformers' LlamaForCausalLM
+        from a LlamaConfig of the size flags below, random weights; needs the .[hf]
+        extra; nothing is downloaded).
+    model_config: hf-llama only: a local config.json (or model directory) whose
+        shape replaces the size flags.
+    init_from: hf-llama only: a local save_pretrained directory whose weights
+        (and config) start the run instead of random ones.
+    n_layers: transformer blocks (decoder layers).
     hidden: model width; divisible by n_heads.
     n_heads: attention heads.
     seq_len: tokens per sample.
@@ -52,6 +60,9 @@ class TrainConfig:
 
     strategy: str = "ddp"
     precision: str = "fp32"
+    model: str = "gpt"
+    model_config: str | None = None
+    init_from: str | None = None
     n_layers: int = 2
     hidden: int = 64
     n_heads: int = 4
@@ -76,6 +87,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
         _choice("precision", self.precision, PRECISIONS)
+        _choice("model", self.model, MODELS)
+        for name in ("model_config", "init_from"):
+            if getattr(self, name) is not None and self.model != "hf-llama":
+                raise ValueError(f"{name}={getattr(self, name)!r} needs "
+                                 f"model='hf-llama', not model={self.model!r}")
+        if self.model_config is not None and self.init_from is not None:
+            raise ValueError("model_config and init_from are both set; allowed: one "
+                             "(init_from's directory holds its own config.json)")
         for name in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size",
                      "micro_batch", "accum_steps", "steps", "dataset_size",
                      "save_every", "log_every"):
@@ -124,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     doc = _field_docs()
     parser = argparse.ArgumentParser(
         prog="python -m dtlib.train",
-        description="Train the book's GPT with DDP or FSDP2 (run under torchrun).")
+        description="Train the book's GPT or a Hugging Face Llama with DDP or FSDP2 "
+                    "(run under torchrun).")
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
         kind = {"int": int, "float": float}.get(str(f.type), str)

@@ -30,9 +30,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtlib.runtime import dist as ddist
 from dtlib.checkpoint.state import ResumableSampler
 from dtlib.zero.fsdp import bf16_policy, shard_fsdp2
-from dtlib.memory.formulas import GB, ModelStates, model_state_bytes, transformer_params
-from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
 from dtlib.train.config import TrainConfig, parse_args
+from dtlib.train.model import build_model, count_params, logits_of
 from dtlib.train.state import param_digest, resume, save_state
 
 __all__ = ["TrainConfig", "DoesNotFit", "SyntheticTokens", "check_memory",
@@ -168,16 +168,13 @@ def main(argv: Sequence[str] | None = None) -> float:
 
 def _train(cfg: TrainConfig, world: ddist.World) -> float:
     device, ws = world.device, world.world_size
-    gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                     n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads)
-    # ERRATA 34: count (Chapter 1's formula + the final LayerNorm) before allocating.
-    n_params = transformer_params(cfg.n_layers, cfg.hidden, cfg.vocab_size,
-                                  cfg.seq_len) + 2 * cfg.hidden
+    # ERRATA 34: count before allocating: the model itself, built on the meta device
+    # (shapes only), whatever it is (the GPT, a HF Llama, a config.json).
+    n_params = count_params(cfg)
     device_gb = (torch.cuda.get_device_properties(device).total_memory / GB
                  if device.type == "cuda" else None)
     states = check_memory(n_params, cfg.strategy, ws, device_gb)
-    model: nn.Module = build_gpt(gcfg, seed=cfg.seed)  # same weights on every rank
-    assert n_params == sum(p.numel() for p in model.parameters())
+    model: nn.Module = build_model(cfg)  # same weights on every rank
     model = prepare_model(model, cfg.strategy, device, cfg.precision)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,  # after wrapping (FSDP)
                             weight_decay=cfg.weight_decay)
@@ -195,8 +192,8 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
     # No padding in this data: the global token count of a step is known up front
     # (Chapter 8 all-reduces it when batches are ragged).
     global_tokens = cfg.tokens_per_micro_batch * cfg.accum_steps * ws
-    ddist.rprint(f"{cfg.strategy} on {ws} x {device} ({world.backend}), {n_params:,} "
-                 f"params, model states {states.total / GB:.4f} GB/device, global "
+    ddist.rprint(f"{cfg.model}, {cfg.strategy} on {ws} x {device} ({world.backend}), "
+                 f"{n_params:,} params, model states {states.total / GB:.4f} GB/device, global "
                  f"batch {cfg.micro_batch * cfg.accum_steps * ws} sequences"
                  + (f", resumed at step {start}" if start else ""))
     losses: dict[int, float] = {}
@@ -215,7 +212,7 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
                 else contextlib.nullcontext()
             with quiet:
                 with amp:
-                    logits = model(x)
+                    logits = logits_of(model(x))  # a HF model: ModelOutput.logits
                 tok_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
                                            reduction="sum")
                 # DDP/FSDP average over ranks: x ws turns it into the global mean.

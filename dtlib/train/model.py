@@ -1,0 +1,87 @@
+"""Which model the capstone trains: the book's GPT or a Hugging Face causal LM.
+
+``--model gpt`` (the default) is the book's GPT; ``--model hf-llama`` is
+``transformers``' ``LlamaForCausalLM``, built from a ``LlamaConfig`` with the same
+size flags (``--hidden``, ``--n-layers``, ...) or from ``--model-config
+config.json``, with random weights; ``--init-from DIR`` loads real weights from a
+local ``save_pretrained`` directory. Nothing is downloaded. ``transformers`` is
+imported only when a Hugging Face model is asked for.
+
+The rest of the script sees only an ``nn.Module`` whose output has logits: the
+parameter count comes from the model itself (built on the meta device first, so a
+model that cannot fit is refused before a byte is allocated), FSDP2 wraps each
+decoder layer (the outermost ``nn.ModuleList``: the GPT's blocks, Llama's
+``model.layers``), and :func:`logits_of` unwraps a ``ModelOutput``.
+
+Taught in: Chapter 10, "A Hugging Face model".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from dtlib.models.gpt import GPT, GPTConfig, build_gpt
+from dtlib.train.config import TrainConfig
+
+__all__ = ["build_model", "count_params", "logits_of"]
+
+
+def _hf_config(cfg: TrainConfig) -> Any:
+    from dtlib.models import hf  # needs transformers (the .[hf] extra)
+
+    source = cfg.init_from or cfg.model_config
+    flag = "init_from" if cfg.init_from else "model_config"
+    config = hf.load_config(source, flag) if source else hf.llama_config(
+        vocab_size=cfg.vocab_size, hidden=cfg.hidden, n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads, seq_len=cfg.seq_len)
+    if config.vocab_size < cfg.vocab_size:  # the data's tokens must be in the table
+        raise ValueError(f"vocab_size={cfg.vocab_size} exceeds the model's vocabulary "
+                         f"({config.vocab_size} in {source}); allowed: <= "
+                         f"{config.vocab_size}")
+    return config
+
+
+def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
+    """The model ``cfg`` names, with the same weights on every rank.
+
+    Args:
+        cfg: the run's configuration (``model``, sizes, ``model_config``,
+            ``init_from``, ``seed``).
+        meta: build on the meta device (shapes only, no memory) to count parameters.
+    Returns:
+        The unwrapped fp32 model on the CPU (or on the meta device).
+
+    Taught in: Chapter 10, "A Hugging Face model".
+    """
+    if cfg.model == "gpt":
+        gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+                         n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads)
+        if meta:
+            with torch.device("meta"):
+                return GPT(gcfg)
+        return build_gpt(gcfg, seed=cfg.seed)
+    from dtlib.models import hf
+
+    config = _hf_config(cfg)
+    if meta:
+        with torch.device("meta"):
+            return hf.build_hf_llama(config)
+    if cfg.init_from:
+        return hf.load_pretrained(cfg.init_from)
+    return hf.build_hf_llama(config, seed=cfg.seed)
+
+
+def count_params(cfg: TrainConfig) -> int:
+    """Parameters of the model ``cfg`` names, counted on the meta device (no memory).
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    return sum(p.numel() for p in build_model(cfg, meta=True).parameters())
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a forward: the GPT returns them, a HF model a ``ModelOutput``."""
+    return output if torch.is_tensor(output) else output.logits

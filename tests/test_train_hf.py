@@ -1,0 +1,148 @@
+"""The capstone script trains a Hugging Face Llama (``--model hf-llama``) like the GPT:
+two torchrun ranks equal one process, DDP and FSDP2 crash and resume bit-exactly, bf16
+and accumulation run, and ``--init-from`` loads real weights from a local directory.
+
+Nothing is downloaded: the model comes from a random-init ``LlamaConfig`` (vocab 128,
+hidden 64, 2 layers, 4 heads), the checkpoint from ``save_pretrained`` in the test,
+and the Hub is switched off for the test and its ranks. Skipped only where
+``transformers`` (the ``.[hf]`` extra) is not installed; ``make test`` installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the .[hf] extra (transformers)")
+os.environ["HF_HUB_OFFLINE"] = "1"  # any Hub access fails, here and in the ranks
+
+from dtlib.models import hf  # noqa: E402
+from dtlib.checkpoint.state import checkpoint_path  # noqa: E402
+from dtlib.runtime import launch  # noqa: E402
+from dtlib.train.config import TrainConfig  # noqa: E402
+from dtlib.train.loop import main  # noqa: E402
+from dtlib.train.model import build_model, count_params  # noqa: E402
+from dtlib.zero.flat_params import default_unit_modules  # noqa: E402
+
+STEPS = 6
+HF = ["--model", "hf-llama", "--vocab-size", "128", "--hidden", "64",
+      "--n-layers", "2", "--n-heads", "4", "--seq-len", "16"]
+BASE = [*HF, "--steps", str(STEPS), "--save-every", "3", "--log-every", "3",
+        "--micro-batch", "2", "--dataset-size", "128"]
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, different summation order only
+
+
+def _run(tmp, name: str, *args: str) -> dict:
+    out = os.path.join(tmp, f"{name}.json")
+    launch.torchrun("dtlib.train", *BASE, *args, "--summary-json", out,
+                    module=True, nproc=2, stream=False, timeout=180)
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Four torchrun launches (each ~10 s on two idle cores: transformers' import).
+
+    DDP: an uninterrupted run that saves at steps 3 and 6, then a run resumed from a
+    directory holding only its step-3 file (a crash anywhere in steps 4-5). FSDP2: a
+    run stopped after step 4 without a final save, then resumed.
+    """
+    tmp = str(tmp_path_factory.mktemp("train_hf"))
+    straight_ckpt = os.path.join(tmp, "ckpt_straight")
+    res = {"straight": _run(tmp, "straight", "--ckpt-dir", straight_ckpt)}
+    crashed = os.path.join(tmp, "ckpt_ddp")
+    os.makedirs(crashed)
+    shutil.copy(checkpoint_path(straight_ckpt, 3), crashed)
+    res["ddp_resume"] = _run(tmp, "ddp_resume", "--ckpt-dir", crashed)
+    fsdp = ("--strategy", "fsdp", "--ckpt-dir", os.path.join(tmp, "ckpt_fsdp"))
+    res["fsdp_crash"] = _run(tmp, "fsdp_crash", *fsdp, "--stop-after", "4")
+    res["fsdp_resume"] = _run(tmp, "fsdp_resume", *fsdp)
+    return res
+
+
+def test_parameter_count_comes_from_the_model():
+    cfg = TrainConfig(model="hf-llama", vocab_size=128, hidden=64, n_layers=2,
+                      n_heads=4)
+    model = build_model(cfg)
+    # embed + untied head + 2 x (q, k, v, o; gate, up, down; 2 RMSNorms) + final norm
+    expected = 2 * 128 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert count_params(cfg) == hf.n_params(model) == expected == 98_624
+    assert type(model).__name__ == "LlamaForCausalLM"
+    # FSDP2 (shard_fsdp2's default units) wraps each decoder layer, nothing else
+    assert default_unit_modules(model) == list(hf.decoder_layers(model))
+
+
+@pytest.mark.timeout(900)  # the fixture's four launches run inside the first test
+def test_ddp_crash_and_resume_is_bit_exact(runs):
+    resumed = runs["ddp_resume"]
+    assert resumed["start_step"] == 3 and resumed["end_step"] == STEPS
+    assert resumed["param_sha256"] == runs["straight"]["param_sha256"]
+    assert resumed["final_loss"] == runs["straight"]["final_loss"]
+    for step in ("4", "5", "6"):  # redone identically
+        assert resumed["losses"][step] == runs["straight"]["losses"][step]
+
+
+def test_two_ranks_equal_one_process(runs):
+    single = main([*BASE, "--accum-steps", "2"])  # 1 rank x 2 micro-batches
+    torch.testing.assert_close(single, runs["straight"]["final_loss"], **LOSS_TOL)
+    assert runs["straight"]["losses"]["6"] < runs["straight"]["losses"]["1"]
+
+
+def test_fsdp_crash_and_resume_matches_ddp(runs):
+    crash, resumed = runs["fsdp_crash"], runs["fsdp_resume"]
+    assert resumed["start_step"] == 3 and resumed["end_step"] == STEPS
+    assert crash["losses"]["4"] == resumed["losses"]["4"]  # same shards, same step
+    torch.testing.assert_close(resumed["final_loss"], runs["straight"]["final_loss"],
+                               **LOSS_TOL)
+    torch.testing.assert_close(resumed["param_norm"], runs["straight"]["param_norm"],
+                               rtol=1e-6, atol=0)
+
+
+def test_accumulation_equals_the_large_micro_batch_and_bf16_is_close():
+    big = main([*BASE, "--micro-batch", "4"])
+    accumulated = main([*BASE, "--micro-batch", "2", "--accum-steps", "2"])
+    torch.testing.assert_close(accumulated, big, **LOSS_TOL)
+    bf16 = main([*BASE, "--micro-batch", "4", "--precision", "bf16"])
+    assert bf16 != big and abs(bf16 - big) < 0.02 * big  # bf16 ran, ~3 digits
+
+
+def test_init_from_loads_local_weights(tmp_path):
+    saved = hf.build_hf_llama(hf.llama_config(vocab_size=128, hidden=64, n_layers=2,
+                                              n_heads=4, seq_len=16), seed=123)
+    saved.save_pretrained(tmp_path / "tiny")  # config.json + model.safetensors
+    cfg = TrainConfig(model="hf-llama", init_from=str(tmp_path / "tiny"),
+                      vocab_size=128)
+    loaded = build_model(cfg).state_dict()
+    for name, value in saved.state_dict().items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)
+    random = build_model(TrainConfig(model="hf-llama", vocab_size=128))
+    assert not torch.equal(random.state_dict()["lm_head.weight"],
+                           loaded["lm_head.weight"])
+    # the script trains from it; the same shape from --model-config starts elsewhere
+    args = ["--steps", "3", "--warmup", "1", "--micro-batch", "2",
+            "--dataset-size", "32", "--vocab-size", "128", "--seq-len", "16"]
+    pretrained = main(["--model", "hf-llama", "--init-from", str(tmp_path / "tiny"),
+                       *args])
+    from_config = main(["--model", "hf-llama", "--model-config",
+                        str(tmp_path / "tiny" / "config.json"), *args])
+    assert pretrained != from_config and pretrained < 6
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "llama"], ["model='llama'", "gpt", "hf-llama"]),
+    (["--init-from", "x"], ["init_from='x'", "hf-llama"]),
+    (["--model", "hf-llama", "--init-from", "x", "--model-config", "y"],
+     ["model_config", "init_from"]),
+    (["--model", "hf-llama", "--init-from", "/no/such/dir"], ["/no/such/dir"]),
+    (["--model", "hf-llama", "--model-config", "/no/such.json"], ["/no/such.json"]),
+])
+def test_bad_model_flags_are_named(argv, words):
+    with pytest.raises(ValueError) as err:
+        main(argv)
+    for word in words:
+        assert word in str(err.value)
