@@ -23,8 +23,8 @@ each part costs (Narayanan et al. 2021 measure how much overlap recovers):
 Collectives cost what Chapter 2's alpha-beta ring model says
 (``dtlib.collectives.cost_model.collective_time``). Ranks are laid out as
 ``arange(world).view(dp, pp, cp, tp)``: tp neighbours are adjacent GPUs, so a group
-uses NVLink when it fits in a node and otherwise each GPU's own NIC
-(``inter_node_bw``).
+uses NVLink when its span of ranks fits in a node and divides it (tp 6 on 8-GPU
+nodes straddles nodes), and otherwise each GPU's own NIC (``inter_node_bw``).
 
 Taught in: Chapter 11, a planner checked against published runs.
 """
@@ -160,7 +160,9 @@ def _communication(model: ModelSpec, cluster: ClusterSpec, c: ParallelConfig,
     g = cluster.gpus_per_node
     spans = {"tp": c.tp, "cp": c.tp * c.cp, "pp": c.tp * c.cp * c.pp,
              "dp": c.world_size}
-    links = {k: "intra" if span <= g else "inter" for k, span in spans.items()}
+    # a group stays in a node when its span fits and nodes hold whole spans
+    links = {k: "intra" if span <= g and g % span == 0 else "inter"
+             for k, span in spans.items()}
     bw = {k: cluster.intra_node_bw if v == "intra" else cluster.inter_node_bw
           for k, v in links.items()}
     full = c.recompute == "full"

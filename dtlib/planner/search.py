@@ -22,9 +22,10 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                cps: Iterable[int] | None = None) -> Iterator[ParallelConfig]:
     """Every configuration the planner considers, valid for this model and batch.
 
-    tp divides n_heads and stays inside a node (Narayanan et al. 2021, Takeaway
-    #1); pp <= n_layers; dp * micro_batch divides the global batch; cp divides the
-    sequence (by default cp is 1 up to 16K tokens, else a power of two <= 32).
+    tp divides n_heads and the node size, so each tp group sits inside a node
+    (Narayanan et al. 2021, Takeaway #1); pp <= n_layers; dp * micro_batch divides
+    the global batch; cp divides the sequence (by default cp is 1 up to 16K
+    tokens, else a power of two <= 32).
 
     Args:
         model, cluster, global_batch: the problem.
@@ -39,7 +40,7 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
         cps = (1,) if s <= 16384 else tuple(
             c for c in (1, 2, 4, 8, 16, 32) if s % c == 0)
     for tp in _divisors(n):
-        if tp > cluster.gpus_per_node or model.n_heads % tp:
+        if cluster.gpus_per_node % tp or model.n_heads % tp:
             continue
         for cp in cps:
             if (n // tp) % cp or s % cp:
