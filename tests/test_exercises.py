@@ -1,4 +1,5 @@
-"""The exercise machinery: stripping solutions, and the chapter-0 checker."""
+"""The exercise machinery: learner copies that keep the learner's work, feedback that
+teaches, and checkers that judge the property each exercise teaches."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from dtlib.exercises import WrongAnswer, check_close
 from dtlib.exercises.hello import check_all_reduce_prediction
@@ -102,13 +105,14 @@ def test_every_book_notebook_strips_and_keeps_its_checkers() -> None:
         nb, count = strip_notebook(json.loads(path.read_text()))
         text = json.dumps(nb)
         assert "### BEGIN SOLUTION" not in text, path.name
-        if count:
-            assert "raise NotImplementedError" in text
+        stubs = text.count("raise NotImplementedError") + text.count(" = ...\\n")
+        assert stubs >= count, path.name
 
 
 def test_check_close_rejects_wrong_and_non_numbers() -> None:
     check_close("x", 2.0, 2.0)
-    with pytest.raises(WrongAnswer, match="got 3.0, expected 2.0. Hint: h"):
+    with pytest.raises(WrongAnswer, match="got 3.0, too large: expected a smaller "
+                                          "value. Hint: h"):
         check_close("x", 3.0, 2.0, hint="h")
     with pytest.raises(WrongAnswer, match="expected a number"):
         check_close("x", "2", 2.0)
@@ -119,3 +123,217 @@ def test_all_reduce_checker_accepts_the_sum_and_rejects_the_own_value(capsys) ->
     assert "Correct" in capsys.readouterr().out
     with pytest.raises(WrongAnswer, match="world_size=2, rank=0: you predicted 1"):
         check_all_reduce_prediction(lambda n, rank: rank + 1)
+
+
+# ---- Chapter 2: the ring all-gather checker judges the ring, not only the result ----
+
+RING_BATCHED = '''
+def my_all_gather(tensor):
+    """All-gather along dim 0 by a ring, with batch_isend_irecv."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = [torch.empty_like(tensor) for _ in range(n)]
+    chunks[rank] = tensor.clone()
+    for step in range(n - 1):
+        send, recv = (rank - step) % n, (rank - step - 1) % n
+        ops = [dist.P2POp(dist.isend, chunks[send], (rank + 1) % n),
+               dist.P2POp(dist.irecv, chunks[recv], (rank - 1) % n)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return torch.cat(chunks)
+'''
+
+DIRECT_EXCHANGE = '''
+def my_all_gather(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = [torch.empty_like(tensor) for _ in range(n)]
+    chunks[rank] = tensor.clone()
+    works = []
+    for peer in range(n):
+        if peer != rank:
+            works += [dist.isend(tensor, peer), dist.irecv(chunks[peer], peer)]
+    for w in works:
+        w.wait()
+    return torch.cat(chunks)
+'''
+
+# n steps instead of n - 1: the last step passes on the rank's own shard again.
+N_STEPS = RING_BATCHED.replace("range(n - 1)", "range(n)").replace(
+    "chunks[recv]", "chunks[recv] if step < n - 1 else torch.empty_like(tensor)")
+
+
+def test_ring_checker_accepts_batch_isend_irecv(capsys) -> None:
+    from dtlib.exercises.collectives import check_ring_all_gather
+
+    check_ring_all_gather(RING_BATCHED, world_sizes=(2, 3))
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source, message", [
+    (DIRECT_EXCHANGE, "sends to ranks \\[1, 2\\]: in a ring, a rank sends only to its "
+                      "right neighbour"),
+    (N_STEPS, "takes exactly n - 1 = 2 steps"),
+])
+def test_ring_checker_rejects_what_is_not_a_ring(source: str, message: str) -> None:
+    from dtlib.exercises.collectives import check_ring_all_gather
+
+    with pytest.raises(WrongAnswer, match=message):
+        check_ring_all_gather(source, world_sizes=(3,))
+
+
+# ---- feedback: short, escalating, and "not attempted yet" for untouched stubs ----
+
+def test_wrong_answer_renders_short_and_escalates_its_hint() -> None:
+    from dtlib.exercises.memory import check_bytes_per_param
+
+    shown = []
+    for _ in range(2):
+        with pytest.raises(WrongAnswer) as info:
+            check_bytes_per_param(14)
+        shown.append("\n".join(info.value._render_traceback_()))
+    first, second = shown
+    assert "Not yet" in first and "what does backward() write" in first
+    assert "Hint" not in first.replace("a hint comes", "")
+    assert "Hint" in second and "'The corrected accounting'" in second
+    for text in shown:  # no checker source, no traceback, no value to copy
+        assert "Traceback" not in text and "def " not in text
+        assert "16 " not in text and "16." not in text
+        assert len(text.splitlines()) <= 3
+    check_bytes_per_param(16)  # a success resets the escalation
+    with pytest.raises(WrongAnswer) as info:
+        check_bytes_per_param(20)
+    assert info.value.attempt == 1 and "too large" in str(info.value)
+
+
+def test_closed_form_feedback_never_shows_the_expected_value() -> None:
+    from dtlib.exercises.memory import check_zero2_gb
+    from dtlib.exercises.precision import check_format_constants
+
+    for _ in range(3):
+        with pytest.raises(WrongAnswer) as info:
+            check_zero2_gb(7.5e9, 64, 20.0)
+        assert "16.64" not in str(info.value)
+        with pytest.raises(WrongAnswer) as info:
+            check_format_constants("bf16", 2.0 ** -8, 2.0 ** -133)
+        assert "0.0078125" not in str(info.value) and "2**" not in str(info.value)
+
+
+def _stub_predict(world_size: int, rank: int) -> float:
+    """The value rank ``rank`` holds after the all-reduce."""
+    # YOUR CODE HERE
+    raise NotImplementedError
+
+
+def test_untouched_exercises_are_not_attempted_and_start_nothing(monkeypatch,
+                                                                 capsys) -> None:
+    from dtlib.runtime import launch
+    from dtlib.exercises.collectives import check_ring_all_gather
+    from dtlib.exercises.hello import check_all_reduce_prediction
+    from dtlib.exercises.memory import check_bytes_per_param
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a checker started ranks for an untouched exercise")
+
+    monkeypatch.setattr(launch, "spawn", no_launch)
+    check_all_reduce_prediction(_stub_predict)
+    check_bytes_per_param(...)
+    check_ring_all_gather('def my_all_gather(tensor):\n    """Doc."""\n'
+                          '    raise NotImplementedError\n')
+    out = capsys.readouterr().out
+    assert out.count("Not attempted yet") == 3 and "`_stub_predict`" in out
+    assert "Correct" not in out
+
+
+def test_strip_keeps_def_line_docstring_and_leaves_values_as_ellipsis() -> None:
+    top_def = ('### BEGIN SOLUTION\ndef bubble(p, m):\n    """Idle fraction."""\n'
+               '    return (p - 1) / (m + p - 1)\n### END SOLUTION\n\ncheck(bubble)\n')
+    assert strip_source(top_def) == (
+        'def bubble(p, m):\n    """Idle fraction."""\n    # YOUR CODE HERE\n'
+        '    raise NotImplementedError\n\ncheck(bubble)\n')
+    no_doc = ("### BEGIN SOLUTION\ndef predict(nbytes, n):\n    # 2 (n-1)/n: the answer\n"
+              "    return 2\n### END SOLUTION\ncheck(predict)\n")
+    assert "the answer" not in strip_source(no_doc)
+    values = ("### BEGIN SOLUTION\nbias = 127\neps = 2.0 ** -7\ntiny = eps * 2.0 ** -bias\n"
+              "### END SOLUTION\ncheck(eps, tiny)\n")
+    assert strip_source(values) == (
+        "# YOUR CODE HERE: replace each ... by your answer\neps = ...\ntiny = ...\n"
+        "check(eps, tiny)\n")
+
+
+# ---- Chapter 3: the bucket hook must be asynchronous and right on every bucket ----
+
+def _sync_hook(group, bucket):
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size(group))
+    dist.all_reduce(buf, group=group)  # blocks backward until the bucket is sent
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def _waiting_hook(group, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    work.wait()
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _async_hook(group, bucket):
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    n = dist.get_world_size(group)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(n))
+
+
+def test_bucket_hook_checker_rejects_synchronous_hooks(capsys) -> None:
+    from dtlib.exercises.data_parallel import check_bucket_hook
+
+    check_bucket_hook(_async_hook)
+    out = capsys.readouterr().out
+    buckets = int(out.split("each of ")[1].split(" buckets")[0])
+    assert buckets >= 2, out
+    for hook, what in ((_sync_hook, "a blocking dist.all_reduce"),
+                       (_waiting_hook, "work.wait()")):
+        with pytest.raises(WrongAnswer, match=f"waits for its all-reduce \\({what}"):
+            check_bucket_hook(hook)
+
+
+# ---- Chapter 4: bytes per stage, term by term ----
+
+def _stage_bytes(n, stage, world_size, swap=False):
+    shard = -(-n // world_size)
+    p_at, g_at = (2, 3) if swap else (3, 2)
+    return {"params": 2 * (shard if stage >= p_at else n),
+            "grads": 2 * (shard if stage >= g_at else n),
+            "optimizer": 12 * (shard if stage >= 1 else n)}
+
+
+def test_stage_memory_checker_rejects_params_and_grads_swapped(capsys) -> None:
+    from dtlib.exercises.zero import check_stage_memory
+
+    check_stage_memory(_stage_bytes)
+    assert "Correct" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="zero_stage=2.*the parameters.*should not "
+                                          "be sharded"):
+        check_stage_memory(lambda n, s, w: _stage_bytes(n, s, w, swap=True))
+    with pytest.raises(WrongAnswer, match="return a dict"):
+        check_stage_memory(lambda n, s, w: sum(_stage_bytes(n, s, w).values()))
+
+
+# ---- Chapter 9: any atomic rename is accepted ----
+
+def _save_with_rename(obj, path):
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def test_atomic_save_checker_accepts_os_rename(capsys) -> None:
+    from dtlib.exercises.checkpoint import check_atomic_save
+
+    check_atomic_save(_save_with_rename)
+    assert "Correct" in capsys.readouterr().out

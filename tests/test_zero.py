@@ -272,13 +272,13 @@ def test_exercise_stage_memory():
 
     def right(n, stage, world_size):
         shard = -(-n // world_size)
-        return (2 * (shard if stage >= 3 else n) + 2 * (shard if stage >= 2 else n)
-                + 12 * (shard if stage >= 1 else n))
+        return {"params": 2 * (shard if stage >= 3 else n),
+                "grads": 2 * (shard if stage >= 2 else n),
+                "optimizer": 12 * (shard if stage >= 1 else n)}
 
     def wrong(n, stage, world_size):  # forgets that stage 2 shards gradients
-        shard = -(-n // world_size)
-        return 2 * (shard if stage >= 3 else n) + 2 * n + 12 * (shard if stage else n)
+        return {**right(n, stage, world_size), "grads": 2 * n}
 
     check_stage_memory(right)
-    with pytest.raises(WrongAnswer, match="gradients term"):
+    with pytest.raises(WrongAnswer, match="gradients.*should be sharded"):
         check_stage_memory(wrong)

@@ -1,24 +1,70 @@
 """Exercises: checkers that give feedback a learner can act on, and the learner notebooks.
 
 Each chapter's checkers live in a module named for the chapter's topic
-(``dtlib.exercises.hello``, ``dtlib.exercises.memory``, ...). A checker returns quietly
-printing a confirmation when the answer is right, and raises :class:`WrongAnswer` with a
-message that says what was expected and a hint when it is not. Every checker has a test
-that shows it rejects a wrong answer.
+(``dtlib.exercises.hello``, ``dtlib.exercises.memory``, ...) and are wrapped by
+:func:`checker`, which gives every one the same manners:
+
+- an untouched exercise (an answer still ``...``, or a function whose body still
+  raises ``NotImplementedError``) is reported as "not attempted yet", and nothing is run;
+- a right answer prints ``Correct: ...``;
+- a wrong answer raises :class:`WrongAnswer`, which a notebook shows as a short message
+  (no traceback, no checker source: IPython's ``_render_traceback_`` hook). Feedback
+  escalates: the first wrong try says what is wrong, the next ones add a hint saying
+  where to look. A closed-form answer's expected value is never shown.
 
 Solutions in the book's notebooks sit between ``### BEGIN SOLUTION`` and
 ``### END SOLUTION``; ``python -m dtlib.exercises strip notebooks -o exercises`` writes the
-learner's copies with each solution replaced by ``raise NotImplementedError``.
+learner's copies with each solution replaced by a stub.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import math
-from typing import Any
+import textwrap
+from typing import Any, Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Wrong tries per checker since its last success: the feedback escalates with them.
+_ATTEMPTS: dict[str, int] = {}
 
 
 class WrongAnswer(AssertionError):
-    """The learner's answer is wrong; the message says how and what to try."""
+    """The learner's answer is wrong.
+
+    ``what`` says what is wrong; ``hint`` where to look (a message ``"... Hint: ..."``
+    is split at the hint). ``str()`` holds both; a notebook shows the hint from the
+    second wrong try on (``attempt``, set by :func:`checker`).
+    """
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        what, sep, embedded = message.partition(" Hint: ")
+        if not sep:
+            what, sep, embedded = message.partition("\nHint: ")
+        self.what = what.rstrip()
+        self.hint = (hint or embedded).strip()
+        self.attempt = 1
+        self.exercise = ""
+        super().__init__(self.what + (f" Hint: {self.hint}" if self.hint else ""))
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing a traceback: the learner sees the
+        # feedback, not the checker's source.
+        head = "\x1b[1;31mNot yet\x1b[0m" + (f" ({self.exercise})" if self.exercise else "")
+        lines = [f"{head}: {self.what}"]
+        if self.hint and self.attempt >= 2:
+            lines.append(f"\x1b[1mHint\x1b[0m: {self.hint}")
+        elif self.hint:
+            lines.append("(Change your answer and run the cell again; a hint comes from "
+                         "the second try on.)")
+        return lines
+
+
+class NotAttempted(Exception):
+    """The exercise still holds its stub; raised inside a checker, caught by it."""
 
 
 def passed(what: str) -> None:
@@ -26,11 +72,86 @@ def passed(what: str) -> None:
     print(f"Correct: {what}")
 
 
+def not_attempted(name: str) -> None:
+    """Tell the learner an exercise is untouched; nothing was run."""
+    print(f"Not attempted yet: {name} still holds the stub. Write your answer in "
+          "place of `...` / `raise NotImplementedError`, then run the cell again.")
+
+
+def is_stub(fn: Callable[..., Any] | str) -> bool:
+    """Whether ``fn`` (a function or its source) still has the exercise's stub body:
+    its first statement after the docstring raises ``NotImplementedError``."""
+    try:
+        source = fn if isinstance(fn, str) else inspect.getsource(fn)
+        tree = ast.parse(textwrap.dedent(source))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if not defs:
+        return False
+    body = [s for s in defs[0].body
+            if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not body or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def _stub_in(args: tuple, kwargs: dict) -> str | None:
+    for i, value in enumerate((*args, *kwargs.values())):
+        if value is Ellipsis:
+            return "your answer"
+        if (callable(value) and not isinstance(value, type)) or (
+                isinstance(value, str) and value.lstrip().startswith("def ")):
+            if is_stub(value):
+                return (f"`{value.__name__}`" if callable(value) and
+                        hasattr(value, "__name__") else "your function")
+    return None
+
+
+def checker(fn: F) -> F:
+    """Give a checker the common manners (see the module docstring).
+
+    Args:
+        fn: a ``check_*`` function that prints via :func:`passed` or raises
+            :class:`WrongAnswer`.
+    Returns:
+        The wrapped checker: returns None when the exercise is untouched (after saying
+        so), re-raises :class:`WrongAnswer` with the try count attached.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        stub = _stub_in(args, kwargs)
+        if stub is not None:
+            return not_attempted(stub)
+        try:
+            result = fn(*args, **kwargs)
+        except NotAttempted as exc:
+            return not_attempted(str(exc) or "your answer")
+        except NotImplementedError:
+            # The learner's function raised its stub while the checker called it.
+            return not_attempted("your function")
+        except WrongAnswer as exc:
+            _ATTEMPTS[fn.__qualname__] = _ATTEMPTS.get(fn.__qualname__, 0) + 1
+            exc.attempt = _ATTEMPTS[fn.__qualname__]
+            exc.exercise = fn.__name__.removeprefix("check_").replace("_", " ")
+            raise exc.with_traceback(None) from None
+        _ATTEMPTS.pop(fn.__qualname__, None)
+        return result
+
+    return wrapper  # type: ignore[return-value]
+
+
 def check_close(name: str, got: Any, expected: float, *, rel: float = 1e-6,
                 hint: str = "") -> None:
-    """Raise :class:`WrongAnswer` unless ``got`` is a number within ``rel`` of ``expected``."""
+    """Raise :class:`WrongAnswer` unless ``got`` is a number within ``rel`` of
+    ``expected``. The message says whether ``got`` is too large or too small, never
+    the expected value: the learner derives it."""
     if isinstance(got, bool) or not isinstance(got, (int, float)):
         raise WrongAnswer(f"{name}: expected a number, got {type(got).__name__} {got!r}")
     if not math.isclose(got, expected, rel_tol=rel, abs_tol=0.0 if expected else 1e-12):
-        msg = f"{name}: got {got!r}, expected {expected!r}"
-        raise WrongAnswer(msg + (f". Hint: {hint}" if hint else ""))
+        side = "too large" if got > expected else "too small"
+        raise WrongAnswer(f"{name}: got {got!r}, {side}: expected a "
+                          f"{'smaller' if got > expected else 'larger'} value.",
+                          hint)

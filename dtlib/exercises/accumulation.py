@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from dtlib.exercises import WrongAnswer, passed
+from dtlib.exercises import WrongAnswer, checker, passed
 
 #: Token counts per rank, per micro-batch: ``cases[i][rank][k]``.
 SCALE_CASES: tuple[tuple[tuple[int, ...], ...], ...] = (
@@ -21,6 +21,7 @@ def _scale_truth(token_counts: Sequence[Sequence[int]]) -> float:
     return world_size / sum(sum(rank) for rank in token_counts)
 
 
+@checker
 def check_loss_scale(scale: Callable[[list[list[int]]], float]) -> None:
     """Check ``scale(token_counts) -> float``.
 
@@ -48,8 +49,9 @@ def check_loss_scale(scale: Callable[[list[list[int]]], float]) -> None:
                  for r in counts) and len(counts) > 1:
             hint = ("a per-rank token count makes DDP average per-rank means; the "
                     "normaliser must be the global count (one all-reduce per group)")
-        raise WrongAnswer(f"token_counts={counts}: you gave {got!r}, the right factor "
-                          f"is {want!r}. Hint: {hint}.")
+        side = "too large" if got > want else "too small"
+        raise WrongAnswer(f"token_counts={counts}: you gave {got!r}, {side}.",
+                          f"{hint}.")
     passed("each rank scales its summed loss by world_size / (global token count)")
 
 
@@ -57,6 +59,7 @@ ALLREDUCE_CASES = ((1, 1, True), (1, 5, False), (4, 1, True), (4, 1, False),
                    (4, 7, True), (4, 7, False), (8, 3, True), (3, 3, False))
 
 
+@checker
 def check_allreduce_calls(calls: Callable[[int, int, bool], int]) -> None:
     """Check ``calls(accum_steps, n_buckets, no_sync) -> int``: gradient all-reduce
     calls one rank issues per optimizer step (DDP with ``n_buckets`` buckets), with

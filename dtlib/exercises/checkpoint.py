@@ -15,11 +15,12 @@ import torch
 
 from dtlib.checkpoint.state import STATE_KEYS
 from dtlib.chapters.ch09_checkpointing.runs import CrashDuringSave, SimulatedCrash, train_run
-from dtlib.exercises import WrongAnswer, passed
+from dtlib.exercises import WrongAnswer, checker, passed
 
 _STRAIGHT: dict[int, torch.Tensor] = {}
 
 
+@checker
 def check_resume_keys(keys: Iterable[str], total_steps: int = 10,
                       stop_at: int = 7) -> None:
     """Check that restoring only ``keys`` (from :data:`dtlib.checkpoint.STATE_KEYS`)
@@ -49,26 +50,34 @@ def check_resume_keys(keys: Iterable[str], total_steps: int = 10,
     passed(f"restoring {sorted(keys)} resumes the run bit for bit")
 
 
+@checker
 def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
     """Check ``save(obj, path)``: afterwards ``path`` holds ``obj``; a crash during the
     write leaves the previous ``path`` intact; the temporary file is fsynced, lives
-    in ``path``'s directory and is moved into place with ``os.replace``."""
+    in ``path``'s directory and is moved into place by a rename (``os.replace``, or
+    ``os.rename``, which POSIX also makes atomic; ``Path.replace``/``Path.rename`` call
+    them)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "step00000001.pt")
         good = {"step": 1, "w": torch.arange(6.0)}
         replaced: list[tuple[str, str]] = []
         synced: list[int] = []
-        real_replace, real_fsync = os.replace, os.fsync
+        real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
 
         def spy_replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
             replaced.append((os.fspath(src), os.fspath(dst)))
             real_replace(src, dst, *a, **k)
 
+        def spy_rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+            replaced.append((os.fspath(src), os.fspath(dst)))
+            real_rename(src, dst, *a, **k)
+
         def spy_fsync(fd: int) -> None:
             synced.append(fd)
             real_fsync(fd)
 
-        with mock.patch("os.replace", spy_replace), mock.patch("os.fsync", spy_fsync):
+        with mock.patch("os.replace", spy_replace), mock.patch("os.rename", spy_rename), \
+                mock.patch("os.fsync", spy_fsync):
             save(good, path)
         try:
             back = torch.load(path, weights_only=True)
@@ -92,7 +101,8 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
             raise WrongAnswer(
                 "after a crashed save, path no longer holds the old state")
         if not any(dst == path for _, dst in replaced):
-            raise WrongAnswer("path was not put in place with os.replace(tmp, path)")
+            raise WrongAnswer("path was not put in place by a rename "
+                              "(os.replace(tmp, path) or os.rename(tmp, path))")
         src = next(s for s, dst in replaced if dst == path)
         if os.path.dirname(os.path.abspath(src)) != os.path.dirname(path):
             raise WrongAnswer(

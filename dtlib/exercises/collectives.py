@@ -6,21 +6,75 @@ all-gather checker sends the function's *source* (``inspect.getsource``) to ever
 which executes it in a fresh namespace holding ``torch`` and ``dist``. The function
 must therefore be self-contained: it may use ``torch``, ``dist`` (torch.distributed)
 and anything it imports itself, not other variables of the notebook.
+
+What the ring checker watches: every point-to-point call (``send``, ``recv``,
+``isend``, ``irecv``, also inside ``batch_isend_irecv``) with its peer and size, and any
+collective. One recording function per name is installed in both ``torch.distributed``
+and ``torch.distributed.distributed_c10d``, so ``P2POp(dist.isend, ...)`` still passes
+torch's "is this isend?" check (an identity test).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import textwrap
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from dtlib.runtime import launch
-from dtlib.exercises import WrongAnswer, passed
+from dtlib.exercises import WrongAnswer, checker, passed
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
+_P2P = {"send": ("send", "dst"), "isend": ("send", "dst"), "recv": ("recv", "src"),
+        "irecv": ("recv", "src")}
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object",
+                "all_reduce", "broadcast", "broadcast_object_list", "all_to_all",
+                "all_to_all_single", "gather", "scatter", "reduce", "reduce_scatter",
+                "reduce_scatter_tensor")
+
+
+@contextlib.contextmanager
+def _watch_p2p() -> Iterator[list[tuple[str, int | None, int]]]:
+    """Record ``(kind, peer, numel)`` for every send/recv, ``(name, None, 0)`` for
+    every collective, issued inside the block."""
+    log: list[tuple[str, int | None, int]] = []
+    saved = {name: getattr(c10d, name) for name in (*_P2P, *_COLLECTIVES)}
+
+    def p2p(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        kind, peer_arg = _P2P[name]
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs).arguments
+            peer = bound.get(peer_arg, bound.get(f"group_{peer_arg}"))
+            log.append((kind, peer, bound["tensor"].numel()))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def collective(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            log.append((name, None, 0))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    patched = {name: (p2p if name in _P2P else collective)(name, fn)
+               for name, fn in saved.items()}
+    for module in (dist, c10d):  # the same object in both: identity checks hold
+        for name, fn in patched.items():
+            setattr(module, name, fn)
+    try:
+        yield log
+    finally:
+        for module in (dist, c10d):
+            for name, fn in saved.items():
+                setattr(module, name, fn)
 
 
 def _load(source: str, name: str) -> Callable[..., Any]:
@@ -31,41 +85,67 @@ def _load(source: str, name: str) -> Callable[..., Any]:
     return namespace[name]
 
 
+def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
+                   chunk: int) -> list[str]:
+    """What makes this rank's traffic not a ring all-gather (empty: nothing)."""
+    used = sorted({kind for kind, _, _ in log} - {"send", "recv"})
+    if used:
+        return [f"it calls {used}: use only send/recv (dist.send, dist.recv, dist.isend, "
+                "dist.irecv, or dist.batch_isend_irecv)"]
+    sends = [(peer, k) for kind, peer, k in log if kind == "send"]
+    recvs = [(peer, k) for kind, peer, k in log if kind == "recv"]
+    right, left = (rank + 1) % n, (rank - 1) % n
+    if any(peer != right for peer, _ in sends):
+        peers = sorted({p for p, _ in sends if p is not None})
+        return [f"rank {rank} of {n} sends to ranks {peers}: in a ring, a rank sends "
+                f"only to its right neighbour, rank {right}"]
+    if any(peer != left for peer, _ in recvs):
+        return [f"rank {rank} of {n} receives from ranks "
+                f"{sorted({str(p) for p, _ in recvs})}: in a ring, a rank receives only "
+                f"from its left neighbour, rank {left} (name it: src={left})"]
+    if len(sends) != n - 1 or len(recvs) != n - 1:
+        return [f"rank {rank} of {n} sends {len(sends)} and receives {len(recvs)} "
+                f"message(s): a ring all-gather takes exactly n - 1 = {n - 1} steps"]
+    if any(k != chunk for _, k in sends + recvs):
+        return [f"rank {rank} of {n} sends messages of {sorted({k for _, k in sends})} "
+                f"element(s): each step passes one shard ({chunk} elements)"]
+    return []
+
+
 def _check_all_gather_on_rank(source: str, name: str) -> list[str]:
     """On every rank: run the learner's all-gather on several shapes; list problems."""
-    from dtlib.collectives.accounting import count_comms
-
     fn = _load(source, name)
     rank, n = dist.get_rank(), dist.get_world_size()
-    problems = []
     for shape in _CASES:
         shard = torch.arange(torch.Size(shape).numel(), dtype=torch.int64
                              ).reshape(shape) + 100 * rank
         want = torch.cat([torch.arange(shard.numel()).reshape(shape) + 100 * r
                           for r in range(n)])
-        with count_comms(functional=False) as log:
+        with _watch_p2p() as log:
             got = fn(shard.clone())
-        used = {r.op for r in log.records} - {"send", "recv"}
-        if used:
-            problems.append(f"it calls {sorted(used)}: use only send/recv "
-                            "(dist.send, dist.recv, dist.isend, dist.irecv)")
-            break
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or \
                 not torch.equal(got, want):
-            problems.append(
-                f"world_size={n}, rank {rank}, shard shape {tuple(shape)}: expected "
-                f"{want.flatten().tolist()} (shape {tuple(want.shape)}), got "
-                f"{got.flatten().tolist() if isinstance(got, torch.Tensor) else got!r}"
-                + (f" (shape {tuple(got.shape)})" if isinstance(got, torch.Tensor)
-                   else ""))
-            break
-    return problems
+            shape_got = (f" (shape {tuple(got.shape)})" if isinstance(got, torch.Tensor)
+                         else "")
+            return [f"world_size={n}, rank {rank}, shard shape {tuple(shape)}: expected "
+                    f"{want.flatten().tolist()} (shape {tuple(want.shape)}), got "
+                    f"{got.flatten().tolist() if isinstance(got, torch.Tensor) else got!r}"
+                    + shape_got]
+        problems = _ring_problems(log, rank, n, shard.numel())
+        if problems:
+            return problems
+    return []
 
 
+@checker
 def check_ring_all_gather(fn: Callable[..., Any] | str,
                           world_sizes: tuple[int, ...] = (1, 2, 3, 4),
                           timeout: float = 30.0) -> None:
-    """Check a learner's ``fn(tensor) -> tensor``: all-gather along dim 0 by send/recv.
+    """Check a learner's ``fn(tensor) -> tensor``: all-gather along dim 0 by a ring.
+
+    The result must equal ``all_gather``, and the traffic must be a ring: each rank
+    sends only to rank + 1 and receives only from rank - 1, n - 1 times, one shard a
+    time.
 
     Args:
         fn: the function, or its source text (then its name is the first ``def``).
@@ -88,18 +168,22 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
         except launch.LaunchTimeout as exc:
             raise WrongAnswer(
                 f"world_size={n}: your all-gather did not finish in {timeout:g} s: a "
-                "deadlock? Post the send and the receive of a step together (isend + "
-                "irecv, then wait both).\n" + "\n".join(exc.report)) from None
+                "deadlock.\n" + "\n".join(exc.report),
+                "if every rank first sends and then receives with blocking calls, all "
+                "wait in send: post a step's send and receive together (isend + irecv, "
+                "or batch_isend_irecv), then wait on both.") from None
         except launch.LaunchError as exc:
             raise WrongAnswer(f"world_size={n}: your all-gather raised on a rank:\n"
                               f"{exc}") from None
         problems = [p for per_rank in results for p in per_rank]
         if problems:
-            raise WrongAnswer(problems[0] + ". Hint: in step s, rank r sends the "
-                              "chunk of rank (r - s) mod n to rank r+1 and receives "
-                              "the chunk of rank (r - s - 1) mod n from rank r-1.")
+            raise WrongAnswer(problems[0], "in step s, rank r passes on the shard it "
+                              "received in step s - 1 (its own in step 0): to rank r+1, "
+                              "while receiving the next from rank r-1. Look again at "
+                              "'Ring all-reduce, from send and recv': its all-gather "
+                              "half is this exercise.")
     passed(f"your ring all-gather equals all_gather on {list(world_sizes)} ranks, "
-           "using send/recv only")
+           "passing one shard to the right neighbour n - 1 times")
 
 
 def _ring_bytes_sent(nbytes: int) -> int:
@@ -111,6 +195,7 @@ def _ring_bytes_sent(nbytes: int) -> int:
     return log.total_bytes("send")
 
 
+@checker
 def check_bytes_sent(predict: Callable[[int, int], float],
                      cases: tuple[tuple[int, int], ...] = ((4800, 2), (4800, 3),
                                                            (4800, 4), (96, 4))) -> None:
@@ -128,7 +213,7 @@ def check_bytes_sent(predict: Callable[[int, int], float],
         if any(abs(got - s) > 1e-6 * max(1, s) for s in sent):
             raise WrongAnswer(
                 f"all-reduce of {nbytes} bytes on {n} ranks: you predicted {got!r} "
-                f"bytes per rank, the ranks sent {sent}. Hint: count the steps of the "
+                f"bytes per rank, the ranks sent {sent}.", "count the steps of the "
                 "reduce-scatter and of the all-gather, and the size of the chunk sent "
                 "in each.")
     passed("your prediction matches the bytes each rank sent, for every case")

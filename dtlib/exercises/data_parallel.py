@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib.runtime import launch
-from dtlib.exercises import WrongAnswer, passed
+from dtlib.exercises import WrongAnswer, checker, passed
 
 MICRO_BATCH = 2
 BUCKET_CAP_MB = 0.02  # several buckets for the tiny GPT
@@ -35,23 +35,58 @@ def _source_of(fn: Callable[..., Any]) -> tuple[str, str]:
     return source, fn.__name__
 
 
+class _WatchedWork:
+    """An async all-reduce's Work that notes a ``wait()`` made inside the hook."""
+
+    def __init__(self, work: Any, notes: dict[str, int]) -> None:
+        self._work, self._notes = work, notes
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self._notes["in_hook"]:
+            self._notes["waits"] += 1
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 def _run_hook(source: str, name: str) -> Any:
-    """On each rank: torch DDP on the tiny GPT with the learner's comm hook, one step."""
+    """On each rank: torch DDP on the tiny GPT with the learner's comm hook.
+
+    Two backward passes: DDP's first puts every gradient in one bucket and then
+    rebuilds its buckets in the order gradients arrived; the second (measured) pass
+    runs with several buckets. Every ``dist.all_reduce`` the hook issues is watched:
+    a blocking one, or a ``wait()`` inside the hook, makes the hook synchronous.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
-    from dtlib.collectives.accounting import count_comms
     from dtlib.chapters.ch03_data_parallel.runs import TINY, grads_of
     from dtlib.models.gpt import build_gpt, token_batch
 
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
     exec(compile(source, f"<your {name}>", "exec"), namespace)
     learner_hook = namespace[name]
-    buckets = []
+    notes = {"in_hook": 0, "calls": 0, "blocking": 0, "waits": 0}
+    buckets: list[int] = []
+    real_all_reduce = dist.all_reduce
+
+    def watched_all_reduce(tensor, *args, **kwargs):  # noqa: ANN001, ANN202
+        notes["calls"] += 1
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        work = real_all_reduce(tensor, *args, **kwargs)
+        if not async_op:
+            notes["blocking"] += 1
+            return work
+        return _WatchedWork(work, notes)
 
     # No annotations: DDP rejects a hook whose annotations are not GradBucket/Future.
     def counting_hook(state, bucket):  # noqa: ANN001, ANN202
         buckets.append(bucket.buffer().numel())
-        return learner_hook(state, bucket)
+        notes["in_hook"] += 1
+        try:
+            return learner_hook(state, bucket)
+        finally:
+            notes["in_hook"] -= 1
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(build_gpt(TINY), bucket_cap_mb=BUCKET_CAP_MB)
@@ -60,21 +95,31 @@ def _run_hook(source: str, name: str) -> Any:
     rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
     local = build_gpt(TINY)
     local(idx[rows], targets[rows])[1].backward()
-    with count_comms(functional=False) as log:
+    dist.all_reduce = watched_all_reduce
+    try:
+        model(idx[rows], targets[rows])[1].backward()  # DDP rebuilds its buckets
+        model.zero_grad(set_to_none=True)
+        buckets.clear()
+        notes.update(calls=0, blocking=0, waits=0)
         model(idx[rows], targets[rows])[1].backward()
-    return ({"grads": grads_of(model.module), "local": grads_of(local),
-                     "calls": log.calls("all_reduce"), "buckets": len(buckets)})
+    finally:
+        dist.all_reduce = real_all_reduce
+    return {"grads": grads_of(model.module), "local": grads_of(local),
+            "calls": notes["calls"], "buckets": len(buckets),
+            "blocking": notes["blocking"], "waits": notes["waits"]}
 
 
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for _, g in sorted(grads.items())])
 
 
+@checker
 def check_bucket_hook(hook: Callable[..., Any], world_size: int = 2) -> None:
     """Check a DDP comm hook ``hook(process_group, bucket) -> Future[Tensor]``.
 
-    It runs as torch DDP's gradient hook on ``world_size`` real ranks; the gradients
-    must equal one process's on the whole batch, with one all-reduce per bucket.
+    It runs as torch DDP's gradient hook on ``world_size`` real ranks over several
+    buckets; the gradients must equal one process's on the whole batch, with one
+    asynchronous all-reduce per bucket (the hook returns before it completes).
     """
     from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_training
 
@@ -90,6 +135,15 @@ def check_bucket_hook(hook: Callable[..., Any], world_size: int = 2) -> None:
     truth = _flat(reference_training(TINY, world_size * MICRO_BATCH, 1)["grads"])
     for rank, res in enumerate(results):
         got, local = _flat(res["grads"]), _flat(res["local"])
+        if res["blocking"] or res["waits"]:
+            raise WrongAnswer(
+                f"rank {rank}: your hook waits for its all-reduce ("
+                + ("a blocking dist.all_reduce" if res["blocking"] else "work.wait()")
+                + " inside the hook), so backward stops at every bucket until the "
+                "bucket has crossed the network: nothing overlaps.",
+                "issue the all-reduce with async_op=True and return the future "
+                "right away (work.get_future(), with .then(...) for what follows); "
+                "DDP waits on it once, at the end of backward ('Seeing the overlap').")
         if res["calls"] != res["buckets"]:
             raise WrongAnswer(
                 f"rank {rank}: {res['calls']} all-reduce calls for {res['buckets']} "
@@ -107,10 +161,14 @@ def check_bucket_hook(hook: Callable[..., Any], world_size: int = 2) -> None:
             raise WrongAnswer(f"rank {rank}: gradients differ from one process's by up "
                               f"to {err:.3g}. Hint: the future's value must be the "
                               "averaged bucket.buffer().")
-    passed(f"your hook averaged each of {results[0]['buckets']} bucket(s) with one "
-           f"all-reduce; the gradients equal one process's on {world_size} ranks")
+    if results[0]["buckets"] < 2:
+        raise AssertionError("the check ran with one bucket: lower BUCKET_CAP_MB")
+    passed(f"your hook averaged each of {results[0]['buckets']} buckets with one "
+           f"asynchronous all-reduce; the gradients equal one process's on "
+           f"{world_size} ranks")
 
 
+@checker
 def check_epoch_orders(epoch_orders: Callable[[int, int, int, int], list[list[int]]]
                        ) -> None:
     """Check ``epoch_orders(dataset_len, world_size, rank, epochs)``: the indices a

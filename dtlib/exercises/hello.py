@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib.runtime import launch
-from dtlib.exercises import WrongAnswer, passed
+from dtlib.exercises import WrongAnswer, checker, passed
 
 
 def _all_reduce_rank_plus_one() -> float:
@@ -19,6 +19,7 @@ def _all_reduce_rank_plus_one() -> float:
     return t.item()
 
 
+@checker
 def check_all_reduce_prediction(predict: Callable[[int, int], float],
                                 world_sizes: tuple[int, ...] = (1, 2, 4)) -> None:
     """Check ``predict(world_size, rank)``: the value each rank holds after

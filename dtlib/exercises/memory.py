@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dtlib.exercises import WrongAnswer, check_close, passed
+from dtlib.exercises import WrongAnswer, check_close, checker, passed
 from dtlib.memory.formulas import GB, TrainingConfig, estimate, model_state_bytes
 
 # The model of the third exercise: a 13B-class GPT trained on 64 data-parallel GPUs.
@@ -12,23 +12,31 @@ STAGES = (0, 1, 2, 3)
 RECOMPUTES = ("none", "selective", "full")
 
 
+_BYTES_HINT = ("list every copy a parameter has during a mixed-precision Adam step "
+               "(weights, gradient, what the optimizer keeps) with its dtype; "
+               "'The corrected accounting' names them")
+
+
+@checker
 def check_bytes_per_param(answer: float) -> None:
     """Bytes per parameter of mixed-precision Adam (params + grads + optimizer)."""
     hints = {10: "that is the seed's mistake: every copy in the 16-bit dtype. The "
                  "optimizer keeps an fp32 master copy and both moments in fp32.",
-             12: "12 is K, the optimizer state alone; add the 16-bit params and grads.",
-             14: "did you forget the 16-bit gradients (2 bytes)?",
-             8: "Adam's two fp32 moments are 8 bytes, but there is more: the fp32 "
-                "master copy and the 16-bit params and grads."}
+             12: "12 is K, the optimizer state alone (master copy and moments). "
+                 "What else does each parameter keep in memory while it trains?",
+             14: "one 16-bit copy is missing: what does backward() write for each "
+                 "parameter?",
+             8: "8 bytes are Adam's two fp32 moments; the optimizer keeps more, and "
+                "so does the model itself."}
     if isinstance(answer, (int, float)) and not isinstance(answer, bool) \
             and answer in hints:
-        raise WrongAnswer(f"bytes per parameter: got {answer!r}; " + hints[answer])
-    check_close("bytes per parameter", answer, 16.0,
-                hint="count 2 (fp16/bf16 params) + 2 (grads) + 4 (fp32 master) "
-                     "+ 4 + 4 (Adam's two fp32 moments)")
+        raise WrongAnswer(f"bytes per parameter: got {answer!r}; " + hints[answer],
+                          _BYTES_HINT)
+    check_close("bytes per parameter", answer, 16.0, hint=_BYTES_HINT)
     passed("mixed-precision Adam holds 2 + 2 + 12 = 16 bytes per parameter")
 
 
+@checker
 def check_zero2_gb(n_params: float, dp: int, answer_gb: float) -> None:
     """Per-device model-state memory in GB (1e9 B) under ZeRO-2 (P_os+g)."""
     truth = {s: model_state_bytes(n_params, zero_stage=s, dp=dp).total / GB
@@ -41,9 +49,9 @@ def check_zero2_gb(n_params: float, dp: int, answer_gb: float) -> None:
                 f"ZeRO-2 memory: {answer_gb!r} GB is the {name} figure. ZeRO-2 "
                 "partitions the optimizer state and the gradients, not the params.")
     check_close("ZeRO-2 memory (GB)", answer_gb, truth[2], rel=1e-3,
-                hint="2 bytes x Psi for the replicated 16-bit params, plus "
-                     "(2 + 12) bytes x Psi / N_d for the partitioned grads and "
-                     "optimizer state; GB = 1e9 bytes")
+                hint="which of the three model states does ZeRO-2 split over the N_d "
+                     "ranks, and which stays whole on every rank? ('ZeRO: sharding the "
+                     "model states'; GB = 1e9 bytes)")
     passed(f"ZeRO-2 holds {truth[2]:.2f} GB per device for Psi={n_params:.3g}, "
            f"N_d={dp}")
 
@@ -55,6 +63,7 @@ def fitting_combinations(device_gb: float = 80.0) -> set[tuple[int, str]]:
             .fits(device_gb)}
 
 
+@checker
 def check_fitting_combinations(answer, device_gb: float = 80.0) -> None:
     """``answer``: the set of (zero_stage, recompute) pairs that fit on the device."""
     try:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from dtlib.exercises import WrongAnswer, check_close, passed
+from dtlib.exercises import WrongAnswer, check_close, checker, passed
 from dtlib.precision.loss_scaling import simulate_scale
 from dtlib.precision.formats import format_info
 
 
+@checker
 def check_format_constants(name: str, eps: float, smallest_subnormal: float) -> None:
     """Check machine epsilon and the smallest positive (subnormal) value of ``name``.
 
@@ -16,15 +17,19 @@ def check_format_constants(name: str, eps: float, smallest_subnormal: float) -> 
     """
     info = format_info(name)
     check_close(f"{name} eps", eps, info.eps,
-                hint=f"eps = 2**-(p - 1), p = mantissa bits + 1 = {info.precision}")
+                hint="eps is the gap between 1.0 and the next number the format "
+                     "holds: which mantissa bit is the last one? ('Floating-point "
+                     "formats')")
     check_close(f"{name} smallest subnormal", smallest_subnormal,
                 info.smallest_subnormal,
-                hint="the smallest subnormal is 2**(1 - bias - mantissa_bits), with "
-                     f"bias = {info.bias} for {info.exponent_bits} exponent bits")
+                hint="a subnormal has the smallest exponent the format allows and "
+                     "only its last mantissa bit set; the exponent bias follows from "
+                     "the number of exponent bits")
     passed(f"{name}: eps = {info.eps!r}, "
            f"smallest subnormal = {info.smallest_subnormal!r}")
 
 
+@checker
 def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
                                bf16_zero: list[bool]) -> None:
     """Check which of ``values`` become exactly 0 when stored in fp16 and in bf16.
@@ -45,6 +50,7 @@ def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
     passed("your underflow predictions match torch's casts")
 
 
+@checker
 def check_scale_after(flags: list[bool], init_scale: float, growth_interval: int,
                       final_scale: float, skipped: int) -> None:
     """Check the scale after a sequence of steps (True = overflow) and the skip count.
@@ -57,6 +63,8 @@ def check_scale_after(flags: list[bool], init_scale: float, growth_interval: int
                 hint="halve after each overflow (and restart counting clean steps); "
                      f"double after every {growth_interval} clean steps in a row")
     if skipped != n_skip:
-        raise WrongAnswer(f"skipped steps: got {skipped!r}, expected {n_skip}. Hint: "
-                          "exactly the steps whose gradients overflowed are skipped")
+        raise WrongAnswer(f"skipped steps: got {skipped!r}, "
+                          f"{'too many' if skipped > n_skip else 'too few'}.",
+                          "a step is skipped when, and only when, its gradients hold "
+                          "an inf or a nan ('Loss scaling')")
     passed(f"scale {truth!r} after {len(flags)} steps, {n_skip} skipped")

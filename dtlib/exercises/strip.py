@@ -1,48 +1,116 @@
-"""Write learner notebooks: every solution replaced by ``raise NotImplementedError``.
+"""Write learner notebooks: every solution replaced by a stub.
 
 The nbgrader convention: lines between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` in a
-code cell are the solution. They are replaced by one ``raise NotImplementedError`` at the
-indentation of the BEGIN marker; outputs are dropped.
+code cell are the solution. What replaces them depends on what they were:
 
-Nothing a learner wrote is ever overwritten: the tool records a hash of every file it
-writes (``.written.json`` in the output folder) and, on the next run, keeps any learner
-copy whose content no longer matches that record (the learner edited it) or that it
-never wrote; ``force=True`` (``--force``) overwrites them anyway.
+- inside a function (indented): ``raise NotImplementedError``, so the function keeps
+  its ``def`` line and docstring;
+- a whole top-level function: its ``def`` line and docstring, then
+  ``raise NotImplementedError``;
+- top-level code computing values the rest of the cell uses: ``name = ...`` for each
+  of them, so the cell runs and its checker says "not attempted yet";
+- anything else: ``raise NotImplementedError``.
+
+Outputs are dropped. Nothing a learner wrote is ever overwritten: the tool records a
+hash of every file it writes (``.written.json`` in the output folder) and, on the next
+run, keeps any learner copy whose content no longer matches that record (the learner
+edited it) or that it never wrote; ``force=True`` (``--force``) overwrites them anyway.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
+_HERE = "# YOUR CODE HERE"
+
+
+def _assigned(tree: ast.Module) -> list[str]:
+    """Names the top-level statements of ``tree`` assign, in order."""
+    names: list[str] = []
+    for stmt in ast.walk(tree):
+        targets = []
+        if isinstance(stmt, ast.Assign):
+            targets = stmt.targets
+        elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)):
+            targets = [stmt.target]
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name) and n.id not in names:
+                    names.append(n.id)
+    return names
+
+
+def _stub(solution: list[str], indent: str, after: str) -> str:
+    """What replaces one solution (its lines, the BEGIN marker's indentation, and the
+    cell's text after the END marker)."""
+    fallback = f"{indent}{_HERE}\n{indent}raise NotImplementedError\n"
+    if indent:
+        return fallback
+    text = "".join(solution)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return fallback
+    lines = text.splitlines(keepends=True)
+    if len(tree.body) == 1 and isinstance(tree.body[0], ast.FunctionDef):
+        fn = tree.body[0]
+        first = fn.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                and isinstance(first.value.value, str):
+            keep = first.end_lineno  # the signature and the docstring
+        else:  # the signature only: comments in the body may give the answer away
+            keep = max([fn.lineno] + [n.end_lineno for n in ast.walk(fn.args)
+                                      if hasattr(n, "end_lineno")]
+                       + ([fn.returns.end_lineno] if fn.returns else []))
+            while keep < len(lines) and not lines[keep - 1].split("#")[0] \
+                    .rstrip().endswith(":"):
+                keep += 1
+        body_indent = re.match(r"\s*", lines[first.lineno - 1]).group(0)
+        return ("".join(lines[fn.lineno - 1 - len(fn.decorator_list):keep])
+                + f"{body_indent}{_HERE}\n{body_indent}raise NotImplementedError\n")
+    if any(isinstance(s, (ast.FunctionDef, ast.ClassDef)) for s in tree.body):
+        return fallback
+    used = [n for n in _assigned(tree) if re.search(rf"\b{re.escape(n)}\b", after)]
+    if not used:
+        return fallback
+    return f"{_HERE}: replace each ... by your answer\n" + "".join(
+        f"{n} = ...\n" for n in used)
 
 
 def strip_source(source: str) -> str:
-    """Return ``source`` with each marked solution replaced by ``raise NotImplementedError``.
+    """Return ``source`` with each marked solution replaced by a stub (module docstring).
 
     Raises:
         ValueError: a BEGIN without END, an END without BEGIN, or nested markers.
     """
     out: list[str] = []
+    lines = source.splitlines(keepends=True)
     inside = False
-    for number, line in enumerate(source.splitlines(keepends=True), start=1):
+    solution: list[str] = []
+    indent = ""
+    for number, line in enumerate(lines, start=1):
         mark = line.strip()
         if mark == BEGIN:
             if inside:
                 raise ValueError(f"line {number}: nested '{BEGIN}'")
-            inside = True
+            inside, solution = True, []
             indent = line[: len(line) - len(line.lstrip())]
-            out.append(f"{indent}# YOUR CODE HERE\n{indent}raise NotImplementedError\n")
         elif mark == END:
             if not inside:
                 raise ValueError(f"line {number}: '{END}' without '{BEGIN}'")
             inside = False
-        elif not inside:
+            out.append(_stub(solution, indent, "".join(lines[number:])))
+        elif inside:
+            solution.append(line)
+        else:
             out.append(line)
     if inside:
         raise ValueError(f"'{BEGIN}' without '{END}'")

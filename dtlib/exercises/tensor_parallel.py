@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dtlib.runtime import launch
-from dtlib.exercises import WrongAnswer, check_close, passed
+from dtlib.exercises import WrongAnswer, check_close, checker, passed
 from dtlib.tensor_parallel.layers import (copy_to_tp, full_linear, reduce_from_tp, tp_rank,
                                    tp_size)
 from dtlib.tensor_parallel.gpt import block_tp_numbers
@@ -49,6 +49,7 @@ def _reference() -> dict[str, torch.Tensor]:
     return {"out": y.detach(), "grad": x.grad}
 
 
+@checker
 def check_f_g_placement(placement: dict[str, str], world_size: int = 2) -> None:
     """Check where f and g go around a column -> row pair (MLP or attention).
 
@@ -89,6 +90,7 @@ def check_f_g_placement(placement: dict[str, str], world_size: int = 2) -> None:
            f"{world_size} ranks equal one process")
 
 
+@checker
 def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
                      cases: tuple[tuple[int, int, int, int], ...] = (
                          (64, 4, 16, 2), (1024, 8, 512, 4), (12288, 1, 2048, 8))
@@ -108,11 +110,12 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
         where = f"h={h}, b={b}, s={s}, tp={tp}"
         check_close(f"{where}: params_per_rank", got.get("params_per_rank"),
                     truth["params_per_rank"], hint=(
-                        "each rank holds 1/tp of the weights (qkv 3h x h, proj h x h, "
-                        "fc 4h x h, fc_proj h x 4h) and of the column layers' biases "
-                        "(3h, 4h); the row layers' biases (h each) are replicated"))
+                        "list the four layers' weights and biases and ask of each: "
+                        "split over the tp ranks, or whole on every rank? A row "
+                        "layer's bias is added after the sum ('Memory per rank')"))
         check_close(f"{where}: allreduce_bytes", got.get("allreduce_bytes"),
                     truth["allreduce_bytes"], hint=(
-                        "two column -> row pairs per block; each pair all-reduces one "
-                        "(b, s, h) fp32 tensor in forward (g) and one in backward (f)"))
+                        "count the f and g operators in one block, and the shape and "
+                        "dtype of the tensor each one all-reduces, in forward and in "
+                        "backward ('Two ways to split a matmul')"))
     passed(f"your formulas match the tensor-parallel block on {len(cases)} shapes")

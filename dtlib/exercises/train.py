@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from dtlib.exercises import WrongAnswer, check_close, passed
+from dtlib.exercises import WrongAnswer, check_close, checker, passed
 
 _CASES = ((1, 4, 32, 1), (4, 2, 32, 1), (4, 2, 32, 4), (8, 1, 1024, 16))
 
@@ -15,6 +15,7 @@ def _truth(world_size: int, micro_batch: int, seq_len: int, accum_steps: int) ->
     return world_size / (world_size * micro_batch * seq_len * accum_steps)
 
 
+@checker
 def check_loss_multiplier(multiplier: Callable[[int, int, int, int], float]) -> None:
     """Check ``multiplier(world_size, micro_batch, seq_len, accum_steps)``: the factor
     that turns a micro-batch's *summed* token loss into its share of the global mean
@@ -30,6 +31,7 @@ def check_loss_multiplier(multiplier: Callable[[int, int, int, int], float]) -> 
                 "again. Hint: multiply by world_size to undo that division.")
         check_close(f"multiplier(world_size={world_size}, micro_batch={micro_batch}, "
                     f"seq_len={seq_len}, accum_steps={accum_steps})", got, truth,
-                    rel=1e-9, hint="the global batch holds world_size * micro_batch * "
-                    "seq_len * accum_steps tokens; DDP averages over world_size ranks")
+                    rel=1e-9, hint="count the tokens of the whole optimizer step on "
+                    "all ranks, and remember what DDP does to the ranks' gradients "
+                    "(Chapter 8, 'Accumulation under DDP')")
     passed(f"your multiplier is right for {len(_CASES)} configurations")

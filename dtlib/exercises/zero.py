@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from dtlib.exercises import WrongAnswer, passed
+from dtlib.exercises import WrongAnswer, checker, passed
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
 
@@ -38,6 +38,7 @@ def _case(world_size: int, numel: int, seed: int):
     return params, grads, m, v
 
 
+@checker
 def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
     """Check ``fn(params, grads, rank, exp_avg, exp_avg_sq, step, lr)``.
 
@@ -86,30 +87,48 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
     passed("your ZeRO-1 shard step matches AdamW on the averaged gradient shard")
 
 
-def check_stage_memory(fn: Callable[[int, int, int], int]) -> None:
-    """Check ``fn(n_params, zero_stage, world_size)``: model-state bytes per device
-    for mixed-precision Adam (2 + 2 + 12 bytes per parameter, ZeRO paper K = 12),
-    sharded terms rounded up to whole parameters per rank."""
+_TERMS = {"params": "parameters (2 bytes each)", "grads": "gradients (2 bytes each)",
+          "optimizer": "optimizer state (12 bytes each)"}
+
+
+@checker
+def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]]) -> None:
+    """Check ``fn(n_params, zero_stage, world_size)`` -> ``{"params": bytes,
+    "grads": bytes, "optimizer": bytes}``: each model state's bytes per device for
+    mixed-precision Adam (2 + 2 + 12 bytes per parameter, ZeRO paper K = 12), sharded
+    terms rounded up to whole parameters per rank.
+
+    Each term is checked on its own: a total cannot tell "stage 2 shards the
+    gradients" from "stage 2 shards the parameters" (both save 2 bytes a parameter).
+    """
     from dtlib.memory.formulas import model_state_bytes
 
     for n, stage, world_size in ((7_500_000_000, 0, 64), (7_500_000_000, 1, 64),
                                  (7_500_000_000, 2, 64), (7_500_000_000, 3, 64),
-                                 (1001, 3, 4), (7_000_000_000, 3, 8)):
-        want = model_state_bytes(n, zero_stage=stage, dp=world_size).total
+                                 (1001, 3, 4), (1001, 2, 4), (7_000_000_000, 3, 8)):
+        truth = model_state_bytes(n, zero_stage=stage, dp=world_size)
         got = fn(n, stage, world_size)
-        if got == want:
-            continue
-        shard = -(-n // world_size)
-        terms = {"parameters": 2 * n, "gradients": 2 * n, "optimizer states": 12 * n}
-        hint = ("stage 1 shards the 12 bytes of optimizer state, stage 2 also the 2 of "
-                "gradients, stage 3 also the 2 of parameters")
-        for name, full in terms.items():
-            per = full // n
-            if isinstance(got, (int, float)) and got in (want + full - per * shard,
-                                                         want - full + per * shard):
-                hint = f"the {name} term: is it sharded at stage {stage}?"
-        if isinstance(got, float) and got == n * 16 / world_size:
-            hint = "shard sizes round up: use ceil(n_params / world_size)"
-        raise WrongAnswer(f"n_params={n}, zero_stage={stage}, world_size={world_size}:"
-                          f" got {got!r}, expected {want}. Hint: {hint}")
-    passed("your per-device model-state bytes match the ZeRO paper for stages 0-3")
+        where = f"n_params={n}, zero_stage={stage}, world_size={world_size}"
+        if not isinstance(got, dict) or set(got) != set(_TERMS):
+            raise WrongAnswer(f"{where}: return a dict with the keys {sorted(_TERMS)} "
+                              f"(bytes per device of each model state), got {got!r}")
+        for key, name in _TERMS.items():
+            want = getattr(truth, key)
+            if got[key] == want:
+                continue
+            shard = -(-n // world_size)
+            per = {"params": 2, "grads": 2, "optimizer": 12}[key]
+            sharded = want == per * shard
+            if sharded and got[key] == per * n / world_size:
+                hint = "shard sizes round up: use ceil(n_params / world_size)"
+            else:
+                hint = (f"is the {name} split over the ranks at stage {stage}? "
+                        "Stage by stage, ZeRO shards one more state ('The three "
+                        "stages')")
+            verdict = ("should be sharded" if sharded and got[key] > want else
+                       "should not be sharded" if not sharded and got[key] < want
+                       else "is not right")
+            raise WrongAnswer(f"{where}: the {name}: got {got[key]!r}; at this stage "
+                              f"this term {verdict}.", hint)
+    passed("your per-device bytes of each model state match the ZeRO paper for "
+           "stages 0-3")
