@@ -10,7 +10,8 @@
 
 from __future__ import annotations
 
-from dtlib.zero.optimizer import (ZeRO, zero_comm_elements, OPTIMIZERS)
+from dtlib.zero.optimizer import (ZeRO, zero_comm_elements, OPTIMIZERS,
+                                  no_decay_groups)
 from dtlib.zero.units import (Unit, free_flat)
 from dtlib.zero.stage3 import (gather_flat, install_stage3_hooks)
 from dtlib.zero.flat_params import (FlatLayout, assign_units, default_unit_modules)
@@ -22,7 +23,7 @@ from dtlib.zero.deepspeed_config import (TOP_LEVEL_KEYS, ZERO_KEYS, OFFLOAD_KEYS
                                          validate_deepspeed_config,
                                          consistent_world_sizes)
 
-__all__ = ["ZeRO", "zero_comm_elements", "OPTIMIZERS", "Unit", "free_flat",
+__all__ = ["ZeRO", "zero_comm_elements", "OPTIMIZERS", "no_decay_groups", "Unit", "free_flat",
            "gather_flat", "install_stage3_hooks", "FlatLayout", "assign_units",
            "default_unit_modules", "fully_shard", "MixedPrecisionPolicy", "shard_fsdp2",
            "bf16_policy", "fsdp_state_bytes", "full_parameters", "DEEPSPEED_TO_FSDP",

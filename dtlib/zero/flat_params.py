@@ -26,6 +26,8 @@ class FlatLayout:
     params: the group's parameters, in layout order.
     names: their qualified names (for error messages and full state dicts).
     world_size: number of shards.
+    shapes: each parameter's shape when the layout was made (stage 3 later points
+        the parameters at 1-D pieces; the layout keeps the full shapes).
     offsets: start of each parameter in the flat buffer.
     numel: elements of the group without padding (the group's share of Psi).
     padded_numel: ``numel`` rounded up to a multiple of ``world_size``.
@@ -35,6 +37,7 @@ class FlatLayout:
     params: list[nn.Parameter]
     names: list[str]
     world_size: int
+    shapes: list[torch.Size] = field(init=False)
     offsets: list[int] = field(init=False)
     numel: int = field(init=False)
     padded_numel: int = field(init=False)
@@ -46,6 +49,7 @@ class FlatLayout:
         if len(self.names) != len(self.params):
             raise ValueError(f"names has {len(self.names)} entries for "
                              f"{len(self.params)} params")
+        self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
         for p in self.params:
             self.offsets.append(total)
@@ -78,9 +82,9 @@ class FlatLayout:
         ref = self.params[0]
         flat = torch.zeros(self.padded_numel, dtype=dtype or ref.dtype,
                            device=ref.device)
-        for t, off, p in zip(tensors, self.offsets, self.params):
+        for t, off, shape in zip(tensors, self.offsets, self.shapes):
             if t is not None:
-                flat[off:off + p.numel()].copy_(t.reshape(-1))
+                flat[off:off + shape.numel()].copy_(t.reshape(-1))
         return flat
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -88,8 +92,8 @@ class FlatLayout:
         if flat.numel() != self.padded_numel:
             raise ValueError(f"flat has {flat.numel()} elements, the layout needs "
                              f"{self.padded_numel}")
-        return [flat[off:off + p.numel()].view(p.shape)
-                for off, p in zip(self.offsets, self.params)]
+        return [flat[off:off + shape.numel()].view(shape)
+                for off, shape in zip(self.offsets, self.shapes)]
 
 
 def assign_units(module: nn.Module, unit_modules: list[nn.Module]
@@ -98,13 +102,15 @@ def assign_units(module: nn.Module, unit_modules: list[nn.Module]
 
     A parameter belongs to the unit module that alone uses it; parameters used by no
     unit, or shared by several (tied embeddings), go to a root unit for ``module``
-    itself, listed first when it has any parameter.
+    itself, listed first when it has any parameter. Frozen parameters
+    (``requires_grad=False``) are in no unit: they are neither sharded nor optimized.
 
     Args:
         module: the whole model.
         unit_modules: submodules to shard separately (e.g. each transformer block).
     Returns:
-        ``[(owner_module, names, params), ...]``, every parameter exactly once.
+        ``[(owner_module, names, params), ...]``, every trainable parameter exactly
+        once.
 
     Taught in: Chapter 4, ZeRO-3 (which parameters to gather together).
     """
@@ -118,6 +124,8 @@ def assign_units(module: nn.Module, unit_modules: list[nn.Module]
     groups: list[list[nn.Parameter]] = [[] for _ in unit_modules]
     root: list[nn.Parameter] = []
     for _, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
         owners = users.get(id(p), [])
         (groups[owners[0]] if len(owners) == 1 else root).append(p)
     out = [(module, [names[id(p)] for p in root], root)] if root else []

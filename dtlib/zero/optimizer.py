@@ -25,17 +25,18 @@ Taught in: Chapter 4, "ZeRO and FSDP".
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib.zero.stage3 import install_stage3_hooks
+from dtlib.zero.stage3 import gather_flat, install_stage3_hooks
 from dtlib.zero.units import Unit, free_flat
 from dtlib.zero.flat_params import FlatLayout, assign_units, default_unit_modules
 
-__all__ = ["ZeRO", "zero_comm_elements", "OPTIMIZERS"]
+__all__ = ["ZeRO", "zero_comm_elements", "OPTIMIZERS", "no_decay_groups"]
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam,
               "sgd": torch.optim.SGD}
@@ -57,7 +58,10 @@ class ZeRO(nn.Module):
 
     Every rank must build ``module`` with the same architecture; rank 0's initial
     values are broadcast. Gradients are averaged over the ranks, so the result equals
-    single-process training on the concatenated batch.
+    single-process training on the concatenated batch, with torch's semantics: a
+    parameter that got no gradient on any rank this step is not updated, frozen
+    parameters (``requires_grad=False``) are neither sharded nor optimized, and
+    ``param_groups`` work as in ``torch.optim.AdamW(param_groups)``.
 
     Args:
         module: the model (fp32 parameters).
@@ -66,13 +70,17 @@ class ZeRO(nn.Module):
         group: the process group to shard over (default: the world).
         unit_modules: submodules sharded as separate units (default: the elements of
             each outermost ``nn.ModuleList``, e.g. transformer blocks).
-        **optimizer_kwargs: passed to the optimizer (``lr``, ``weight_decay``, ...).
+        param_groups: ``[{"params": [...], "weight_decay": 0.0, ...}, ...]`` over
+            ``module``'s parameters, as for a torch optimizer (default: one group of
+            every trainable parameter); see :func:`no_decay_groups`.
+        **optimizer_kwargs: defaults for every group (``lr``, ``weight_decay``, ...).
 
     Taught in: Chapter 4, "The three stages".
     """
 
     def __init__(self, module: nn.Module, stage: int, optimizer: str = "adamw",
                  group: Any = None, unit_modules: list[nn.Module] | None = None,
+                 param_groups: list[dict[str, Any]] | None = None,
                  **optimizer_kwargs: Any) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -88,22 +96,28 @@ class ZeRO(nn.Module):
         self.rank = dist.get_rank(group) if self.distributed else 0
         if unit_modules is None:
             unit_modules = default_unit_modules(module)
-        self.units = [Unit(owner, names, params, self.world_size, self.rank)
-                      for owner, names, params in assign_units(module, unit_modules)]
+        self.units = [Unit(i, owner, names, params, self.world_size, self.rank)
+                      for i, (owner, names, params)
+                      in enumerate(assign_units(module, unit_modules))]
         if not self.units:
-            raise ValueError("module has no parameters to shard")
+            raise ValueError("module has no parameter with requires_grad=True to shard")
+        # Frozen parameters stay whole on every rank (rank 0's values), unsharded.
+        self.frozen = {n: p for n, p in module.named_parameters() if not p.requires_grad}
+        for p in self.frozen.values():
+            self._broadcast(p.data)
         for unit in self.units:
             self._build(unit)
-        self.optimizer = OPTIMIZERS[optimizer]([u.shard for u in self.units],
+        self.optimizer = OPTIMIZERS[optimizer](self._piece_groups(param_groups),
                                                **optimizer_kwargs)
         self._grads_reduced = False
         self._callback_queued = False
-        if stage >= 2:
-            for unit in self.units:
-                for p in unit.params:
-                    p.register_post_accumulate_grad_hook(self._grad_ready_hook(unit))
+        self._next = len(self.units) - 1  # next unit to reduce-scatter (stages 2-3)
+        self.hook_order: list[int] = []  # units as their gradients completed here
+        self.reduce_order: list[int] = []  # units as reduce-scattered (every rank)
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                p.register_post_accumulate_grad_hook(self._grad_ready_hook(unit, i))
         if stage == 3:
-
             install_stage3_hooks(self)
 
     # ---- construction ------------------------------------------------------------
@@ -111,12 +125,11 @@ class ZeRO(nn.Module):
         flat = unit.layout.flatten([p.detach() for p in unit.params])
         self._broadcast(flat)  # every rank starts from rank 0's values
         unit.flat_param = flat
-        for p, view in zip(unit.params, unit.layout.views(flat)):
-            p.data = view  # the module now reads its parameters from the flat buffer
         shard = flat[unit.lo:unit.hi]
-        if self.stage == 3:
-            shard = shard.clone()  # the shard owns its storage; the full buffer goes
-        unit.shard = nn.Parameter(shard)  # shares storage with ``shard``
+        # stage 3: the shard owns its storage, the full buffer goes
+        unit.shard = shard.clone() if self.stage == 3 else shard
+        unit.make_pieces()
+        unit.point_at_full()  # the module now reads its parameters from the buffer
         if self.stage == 1:
             unit.flat_grad = torch.zeros_like(flat)
             unit.grad_shard = unit.flat_grad[unit.lo:unit.hi]
@@ -125,6 +138,33 @@ class ZeRO(nn.Module):
             unit.grad_shard = torch.zeros_like(unit.shard)
         if self.stage == 3:
             free_flat(unit)
+            unit.point_at_shard()
+
+    def _piece_groups(self, param_groups: list[dict[str, Any]] | None
+                      ) -> list[dict[str, Any]]:
+        """The user's parameter groups with each parameter replaced by its pieces."""
+        pieces = {id(u.params[pc.index]): pc.param for u in self.units for pc in u.pieces}
+        known = {id(p) for p in self.module.parameters()}
+        if param_groups is None:
+            param_groups = [{"params": [p for u in self.units for p in u.params]}]
+        groups, seen = [], set()
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise ValueError(f"param_groups[{i}] must be a dict with a 'params' "
+                                 "list")
+            params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
+            for p in params:
+                if id(p) not in known:
+                    raise ValueError(f"param_groups[{i}] has a parameter that is not "
+                                     "in module")
+                if id(p) in seen:
+                    raise ValueError(f"param_groups[{i}] repeats a parameter of an "
+                                     "earlier group; each may appear once")
+                seen.add(id(p))
+            # a frozen parameter, or one whose elements all sit on other ranks: none
+            groups.append({**g, "params": [pieces[id(p)] for p in params
+                                           if id(p) in pieces]})
+        return groups
 
     def _attach_grad_views(self, unit: Unit) -> None:
         # Stage 1: autograd accumulates in place into a .grad that already exists,
@@ -154,6 +194,26 @@ class ZeRO(nn.Module):
         else:
             dist.all_gather_into_tensor(out, shard, group=self.group)
 
+    def _check_same_collective(self, op: str, unit: Unit) -> None:
+        """Stage 3: raise on every rank, naming the units, if the ranks are about to
+        run different collectives (a unit used on some ranks only)."""
+        if self.world_size == 1:
+            return
+        codes = ("all-gather", "reduce-scatter")
+        mine = torch.tensor([codes.index(op), unit.index], device=unit.shard.device)
+        every = torch.empty(2 * self.world_size, dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        pairs = every.view(self.world_size, 2).tolist()
+        if any(pair != pairs[0] for pair in pairs):
+            what = "; ".join(f"rank {r} would {codes[o]} {self.units[i].label}"
+                             for r, (o, i) in enumerate(pairs))
+            raise RuntimeError(
+                f"ZeRO-3: the ranks disagree on the next collective: {what}. A unit "
+                "used on some ranks only (a data-dependent branch, an MoE expert "
+                "without tokens) cannot be gathered on demand: run it on every rank, "
+                "leave it out of unit_modules (it joins the root unit, gathered for "
+                "the whole forward), or use stage 1 or 2.")
+
     # ---- forward / backward ---------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.stage == 1:
@@ -161,37 +221,63 @@ class ZeRO(nn.Module):
                 self._attach_grad_views(unit)
         return self.module(*args, **kwargs)
 
-    def _grad_ready_hook(self, unit: Unit):
+    def _grad_ready_hook(self, unit: Unit, index: int):
         def hook(param: torch.Tensor) -> None:
             self._queue_end_of_backward()
+            unit.used[index] = True
+            if self.stage == 1:
+                return
             unit.ready += 1
             if unit.ready == len(unit.params):
-                self._reduce_unit(unit)
+                self.hook_order.append(unit.index)
+                self._reduce_ready_units()
         return hook
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self.hook_order, self.reduce_order = [], []
             torch.autograd.Variable._execution_engine.queue_callback(
                 self._end_of_backward)
 
+    def _reduce_ready_units(self) -> None:
+        """Reduce-scatter complete units in one fixed order, the same on every rank.
+
+        The order is the unit index, descending (the order backward usually completes
+        them). Completion order differs between ranks when a unit is unused on some
+        of them; launching in completion order would then pair different units in one
+        reduce-scatter, as DataParallel's overlapped buckets avoid too.
+        """
+        while self._next >= 0 and \
+                self.units[self._next].ready == len(self.units[self._next].params):
+            self._reduce_unit(self.units[self._next])
+            self._next -= 1
+
     def _reduce_unit(self, unit: Unit) -> None:
         """Stages 2-3: reduce-scatter a complete bucket and drop its full gradients."""
+        if self.stage == 3:
+            self._check_same_collective("reduce-scatter", unit)
         flat = unit.layout.flatten([p.grad for p in unit.params])
         for p in unit.params:
             p.grad = None  # the full gradient of this bucket is freed here
         unit.grad_shard.add_(self._reduce_scatter_mean(flat))
-        unit.reduced = True
+        self.reduce_order.append(unit.index)
         if self.stage == 3:
             free_flat(unit)
 
     def _end_of_backward(self) -> None:
-        # Units some of whose parameters got no gradient still take part (every rank
-        # must issue the same collectives), with zeros for the missing gradients.
+        # Units some of whose parameters got no gradient on this rank still take part
+        # (every rank must issue the same collectives), with zeros for the missing
+        # gradients, in the same fixed order.
+        if self.stage >= 2:
+            while self._next >= 0:
+                self._reduce_unit(self.units[self._next])
+                self._next -= 1
+            self._next = len(self.units) - 1
         for unit in self.units:
-            if not unit.reduced:
-                self._reduce_unit(unit)
-            unit.ready, unit.reduced = 0, False
+            unit.ready = 0
+            if self.stage == 3:
+                unit.point_at_shard()
         self._callback_queued = False
 
     # ---- optimizer side -------------------------------------------------------------
@@ -200,6 +286,17 @@ class ZeRO(nn.Module):
             for unit in self.units:
                 unit.grad_shard.copy_(self._reduce_scatter_mean(unit.flat_grad))
             self._grads_reduced = True
+
+    def _used_anywhere(self) -> list[bool]:
+        """Per parameter (units in order): did any rank give it a gradient this step?
+
+        One all-reduce (max) of one flag per parameter tensor.
+        """
+        used = torch.tensor([u for unit in self.units for u in unit.used],
+                            dtype=torch.int32, device=self.units[0].shard.device)
+        if self.world_size > 1:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(u) for u in used.tolist()]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so their global L2 norm is at most ``max_norm``.
@@ -227,15 +324,24 @@ class ZeRO(nn.Module):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's shard; stages 1-2 then all-gather the full parameters."""
+        """Update this rank's pieces; stages 1-2 then all-gather the full parameters.
+
+        A piece whose parameter got no gradient on any rank keeps ``.grad = None``,
+        so the optimizer skips it (no weight decay, no moment update).
+        """
         self._reduce_stage1()
+        used = iter(self._used_anywhere())
         for unit in self.units:
-            unit.shard.grad = unit.grad_shard
+            flags = [next(used) for _ in unit.params]
+            for pc in unit.pieces:
+                pc.param.grad = unit.grad_shard[pc.lo:pc.hi] if flags[pc.index] else None
         self.optimizer.step()
-        if self.stage < 3:
-            for unit in self.units:
+        for unit in self.units:
+            for pc in unit.pieces:
+                pc.param.grad = None
+            if self.stage < 3:
                 # the all-gather writes into the buffer the shard lives in: send a copy
-                self._all_gather(unit.flat_param, unit.shard.detach().clone())
+                self._all_gather(unit.flat_param, unit.shard.clone())
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers this rank keeps (they stay allocated)."""
@@ -243,7 +349,51 @@ class ZeRO(nn.Module):
             if unit.flat_grad is not None:
                 unit.flat_grad.zero_()
             unit.grad_shard.zero_()
+            unit.used = [False] * len(unit.params)
         self._grads_reduced = False
+
+    # ---- the module's own face: full parameters on demand (stage 3) ---------------
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = False) -> Iterator[None]:
+        """Inside: every module parameter is full size (stage 3: all-gathered, a
+        collective every rank must enter). With ``writeback`` changes made inside
+        are copied back into the shards.
+
+        Taught in: Chapter 4, ZeRO-3.
+        """
+        if self.stage < 3:  # the parameters are always full views of the buffers
+            yield
+            return
+        for unit in self.units:
+            gather_flat(self, unit)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if writeback:
+                    unit.shard.copy_(unit.flat_param[unit.lo:unit.hi])
+                free_flat(unit)
+                unit.point_at_shard()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's full state dict (stage 3: gathered, on every rank)."""
+        if self.stage < 3:
+            return super().state_dict(*args, **kwargs)
+        with torch.no_grad(), self.summon_full_params():
+            sd = super().state_dict(*args, **kwargs)
+            for k, v in sd.items():
+                if torch.is_tensor(v):
+                    sd[k] = v.detach().clone()  # the gathered buffers are freed next
+        return sd
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load a full state dict (stage 3: each rank keeps its shard of it)."""
+        if assign:
+            raise ValueError("assign=True would replace the sharded parameters; "
+                             "allowed: assign=False")
+        with torch.no_grad(), self.summon_full_params(writeback=True):
+            return super().load_state_dict(state_dict, strict=strict)
 
     # ---- inspection -----------------------------------------------------------------
     @property
@@ -278,7 +428,7 @@ class ZeRO(nn.Module):
             return total
 
         params = size([u.flat_param for u in self.units] +
-                      [u.shard for u in self.units])
+                      [u.shard for u in self.units] + list(self.frozen.values()))
         grads = size([u.grad_shard for u in self.units] +
                      [u.flat_grad for u in self.units] +
                      [p.grad for u in self.units for p in u.params])
@@ -296,7 +446,31 @@ class ZeRO(nn.Module):
             self._all_gather(flat, unit.shard.detach())
             for name, view in zip(unit.layout.names, unit.layout.views(flat)):
                 out[name] = view.clone()
+        for name, p in self.frozen.items():
+            out[name] = p.detach().clone()
         return out
+
+
+def no_decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups without weight decay on biases and norms (1-D parameters).
+
+    The usual transformer recipe: matrices and embeddings decay, biases and
+    LayerNorm/RMSNorm weights do not. Frozen parameters are left out.
+
+    Args:
+        module: the model.
+        weight_decay: the decay of the matrices' group.
+    Returns:
+        ``[{"params": matrices, "weight_decay": weight_decay},
+        {"params": vectors, "weight_decay": 0.0}]``, for ``torch.optim.AdamW`` or
+        :class:`ZeRO`'s ``param_groups``.
+
+    Taught in: Chapter 4, "Parameter groups".
+    """
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2],
+             "weight_decay": weight_decay},
+            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
 
 
 ZERO_FACTORS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}

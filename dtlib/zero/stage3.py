@@ -16,6 +16,16 @@ tensors autograd saved for backward) keep their shapes and see the data again on
 storage is refilled. That is how FSDP1's flat parameters worked, and why stage 3 moves
 3 Psi elements per step: two all-gathers of Psi and a reduce-scatter of Psi.
 
+A view of zero bytes must never be read (printing it reads freed memory), so while a
+unit is freed its module parameters point at this rank's pieces instead
+(:meth:`Unit.point_at_shard`, FSDP1's ``use_orig_params`` did the same) and back at the
+full views just before forward or backward needs them.
+
+Every rank must issue the same collectives in the same order. A unit that runs on some
+ranks only (a data-dependent branch, an MoE expert with no tokens) breaks that, so each
+stage-3 collective is preceded by a tiny all-gather of (operation, unit) that turns a
+mismatch into an error naming the units on every rank, instead of a hang.
+
 Taught in: Chapter 4, ZeRO-3.
 """
 
@@ -29,13 +39,15 @@ from dtlib.zero.units import Unit, free_flat
 
 
 def gather_flat(zero: Any, unit: Unit) -> None:
-    """Refill the unit's full buffer from every rank's shard (all-gather)."""
-    if unit.gathered:
-        return
-    flat = unit.flat_param
-    flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-    zero._all_gather(flat, unit.shard.detach())
-    unit.gathered = True
+    """Refill the unit's full buffer from every rank's shard (all-gather) and point
+    the module parameters at it."""
+    if not unit.gathered:
+        zero._check_same_collective("all-gather", unit)
+        flat = unit.flat_param
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        zero._all_gather(flat, unit.shard.detach())
+        unit.gathered = True
+    unit.point_at_full()
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -69,6 +81,7 @@ def install_stage3_hooks(zero: Any) -> None:
                 for t in needs_grad:
                     t.register_hook(pre_backward)
             free_flat(unit)
+            unit.point_at_shard()  # pre_backward points them back before use
 
         unit.owner.register_forward_pre_hook(pre_forward)
         unit.owner.register_forward_hook(post_forward)
