@@ -15,31 +15,13 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-TOP_LEVEL_KEYS = frozenset({
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "amp", "zero_optimization",
-    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "sparse_gradients", "steps_per_print",
-    "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler",
-    "activation_checkpointing", "aio", "tensorboard", "wandb", "csv_monitor",
-    "comms_logger", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "elasticity", "data_efficiency", "compression_training", "checkpoint",
-    "autotuning", "data_types", "seq_parallel_communication_data_type",
-})
-ZERO_KEYS = frozenset({
-    "stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm",
-    "reduce_scatter", "reduce_bucket_size", "contiguous_gradients", "offload_param",
-    "offload_optimizer", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_gather_16bit_weights_on_model_save", "sub_group_size",
-    "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
-    "zero_quantized_gradients", "elastic_checkpoint", "ignore_unused_parameters",
-    "load_from_fp32_weights", "mics_shard_size", "mics_hierarchical_params_gather",
-    "memory_efficient_linear", "stage3_module_granularity_threshold",
-})
-OFFLOAD_KEYS = frozenset({"device", "nvme_path", "pin_memory", "buffer_count",
-                          "buffer_size", "max_in_cpu", "pipeline_read",
-                          "pipeline_write", "fast_init", "ratio"})
+from dtlib.zero.deepspeed_keys import SNAPSHOT, KeyLists, deepspeed_keys
+
+#: The key lists of DeepSpeed SNAPSHOT_VERSION (the validator reads the installed
+#: DeepSpeed's own when there is one: :func:`dtlib.zero.deepspeed_keys.deepspeed_keys`).
+TOP_LEVEL_KEYS = SNAPSHOT.top
+ZERO_KEYS = SNAPSHOT.zero
+OFFLOAD_KEYS = SNAPSHOT.offload_param | SNAPSHOT.offload_optimizer
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -120,10 +102,28 @@ def deepspeed_config(*, micro_batch: int, accum_steps: int = 1, world_size: int 
     return cfg
 
 
-def _unknown(keys: Any, known: frozenset, where: str) -> list[str]:
+#: Where this validator is deliberately stricter than DeepSpeed (Chapter 4 lists
+#: them): marker in our message -> why. DeepSpeed accepts these configs.
+STRICTER = {
+    "unknown key ": "DeepSpeed ignores unknown top-level keys (a typo such as "
+                    "'gradient_clip' silently keeps the default); we name them",
+    "needs stage 3": "DeepSpeed accepts offload_param below stage 3 and never "
+                     "offloads the parameters; we say so",
+    "needs ZeRO stage 1, 2 or 3": "DeepSpeed accepts offload_optimizer at stage 0 "
+                                  "and never offloads; we say so",
+    "needs nvme_path": "DeepSpeed accepts device 'nvme' without a path and fails "
+                       "only when it first swaps; we fail before the job starts",
+}
+
+
+def _unknown(keys: Any, known: frozenset, where: str,
+             removed: dict[str, str] | None = None) -> list[str]:
     errors = []
     for key in keys:
-        if key not in known:
+        if removed and f"{where}{key}" in removed:
+            errors.append(f"{where}{key!r} was removed from DeepSpeed: "
+                          f"{removed[where + key]}")
+        elif key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             errors.append(f"unknown key {where}{key!r}{hint}")
@@ -170,16 +170,21 @@ def _resolve_batch(cfg: dict[str, Any], world_size: int,
     return tbs, micro, accum
 
 
-def validate_deepspeed_config(cfg: dict[str, Any], world_size: int) -> DeepSpeedCheck:
+def validate_deepspeed_config(cfg: dict[str, Any], world_size: int,
+                              keys: str | KeyLists = "auto") -> DeepSpeedCheck:
     """Check a DeepSpeed config for ``world_size`` data-parallel GPUs.
 
     Catches: batch sizes that disagree (``train_batch_size`` must equal micro-batch x
     accumulation steps x world size), fp16 and bf16 both enabled, parameter offload
-    without stage 3 (optimizer offload without ZeRO), and unknown keys.
+    without stage 3 (optimizer offload without ZeRO), keys DeepSpeed removed (``amp``,
+    ``mics_shard_size``) and unknown keys. Where it is stricter than DeepSpeed on
+    purpose, :data:`STRICTER` says so.
 
     Args:
         cfg: the config dict (as loaded from the JSON file).
         world_size: number of data-parallel GPUs the job will run on.
+        keys: the key lists: ``"auto"`` (the installed DeepSpeed's, else the stored
+            snapshot), ``"installed"``, ``"snapshot"``, or a :class:`KeyLists`.
     Returns:
         The resolved :class:`DeepSpeedCheck`.
     Raises:
@@ -192,10 +197,11 @@ def validate_deepspeed_config(cfg: dict[str, Any], world_size: int) -> DeepSpeed
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     if not isinstance(cfg, dict):
         raise ValueError(f"cfg must be a dict, got {type(cfg).__name__}")
-    errors = _unknown(cfg, TOP_LEVEL_KEYS, "")
+    known = keys if isinstance(keys, KeyLists) else deepspeed_keys(keys)
+    errors = _unknown(cfg, known.top, "", known.removed)
     tbs, micro, accum = _resolve_batch(cfg, world_size, errors)
     zero = cfg.get("zero_optimization", {}) or {}
-    errors += _unknown(zero, ZERO_KEYS, "zero_optimization.")
+    errors += _unknown(zero, known.zero, "zero_optimization.", known.removed)
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         errors.append(f"zero_optimization.stage={stage!r} not allowed; allowed: 0-3")
@@ -208,7 +214,9 @@ def validate_deepspeed_config(cfg: dict[str, Any], world_size: int) -> DeepSpeed
         off = zero.get(key)
         if not off:
             continue
-        errors += _unknown(off, OFFLOAD_KEYS, f"zero_optimization.{key}.")
+        allowed = known.offload_param if key == "offload_param" \
+            else known.offload_optimizer
+        errors += _unknown(off, allowed, f"zero_optimization.{key}.")
         device = off.get("device", "none")
         if device not in ("cpu", "nvme", "none"):
             errors.append(f"zero_optimization.{key}.device={device!r} not allowed; "
