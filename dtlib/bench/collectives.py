@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dtlib.collectives import cost_model as comm_cost
 from dtlib.runtime import launch
 
+from dtlib.runtime.dist import sync, world
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 DEFAULT_SIZES = ("1K", "16K", "256K", "1M", "4M", "16M", "64M")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -57,7 +58,7 @@ def _torch_call(op: str, x: torch.Tensor, n: int) -> Any:
     if op == "all_reduce":
         return lambda: dist.all_reduce(x)
     if op == "reduce_scatter":
-        out = torch.empty(x.numel() // n, dtype=x.dtype)
+        out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
         return lambda: col.reduce_scatter_into(out, x)
     shard = x[: x.numel() // n].clone()  # message = the gathered tensor, x's size
     return lambda: col.all_gather_into(x, shard)
@@ -84,25 +85,31 @@ def time_collectives(sizes: list[int], ops: list[str], budget: float) -> list[di
     """
     n, rank = dist.get_world_size(), dist.get_rank()
     records = []
+    dev = world().device  # NCCL needs every buffer, even a timer's, on the GPU
     for op in ops:
         for nbytes in sizes:
             numel = max(n, nbytes // 4 // n * n)  # float32, divisible by n
-            calls = {impl: make(op, torch.ones(numel), n)
+            calls = {impl: make(op, torch.ones(numel, device=dev), n)
                      for impl, make in (("torch", _torch_call), ("ring", _ring_call))}
             t0 = time.perf_counter()
             for call in calls.values():
                 call()  # warm-up: connections, allocations
-            one = torch.tensor([time.perf_counter() - t0])
+            sync()
+            one = torch.tensor([time.perf_counter() - t0], device=dev)
             dist.all_reduce(one, op=dist.ReduceOp.MAX)
-            iters = torch.tensor([max(3, min(100, int(budget / one.item())))])
+            iters = torch.tensor([max(3, min(100, int(budget / one.item())))],
+                                 device=dev)
             dist.broadcast(iters, 0)
-            times = {impl: torch.zeros(int(iters.item())) for impl in calls}
+            times = {impl: torch.zeros(int(iters.item()), device=dev)
+                     for impl in calls}
             for i in range(int(iters.item())):
                 for impl, call in calls.items():
                     dist.barrier()
                     t0 = time.perf_counter()
+                    sync()  # CUDA: time the work, not the queueing of it
                     call()
                     times[impl][i] = time.perf_counter() - t0
+                    sync()
             for impl in calls:
                 dist.all_reduce(times[impl], op=dist.ReduceOp.MAX)
                 t = times[impl].median().item()

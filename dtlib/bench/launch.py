@@ -23,19 +23,20 @@ import torch
 import torch.distributed as dist
 
 from dtlib.runtime import launch
+from dtlib.runtime.dist import world
 
 HELLO = textwrap.dedent("""
     import torch, torch.distributed as dist
     from dtlib.runtime import dist as ddist
-    ddist.init()
-    t = torch.ones(1)
+    world = ddist.init()
+    t = torch.ones(1, device=world.device)
     dist.all_reduce(t)
 """)
 
 
 def hello() -> float:
     """What each spawned rank runs: one all-reduce; returns the sum (= world size)."""
-    t = torch.ones(1)
+    t = torch.ones(1, device=world().device)
     dist.all_reduce(t)
     return t.item()
 

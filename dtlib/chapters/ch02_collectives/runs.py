@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib.runtime.dist import world
+
 __all__ = ["primitive_states", "training_step_comms", "ring_trace_states"]
 
 
@@ -19,7 +21,7 @@ def _values(rank: int, length: int) -> torch.Tensor:
     # 100*rank + j: the hundreds digit says which rank a value came from; sums are
     # >= 400
     # on four ranks, so they cannot be mistaken for an original value.
-    return torch.arange(length, dtype=torch.int64) + 100 * rank
+    return torch.arange(length, dtype=torch.int64, device=world().device) + 100 * rank
 
 
 def primitive_states() -> dict[str, tuple[list[int] | None, list[int] | None]]:
@@ -34,6 +36,7 @@ def primitive_states() -> dict[str, tuple[list[int] | None, list[int] | None]]:
     from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
 
     rank, n = dist.get_rank(), dist.get_world_size()
+    dev = world().device  # NCCL only moves tensors that live on the rank's GPU
     out: dict[str, Any] = {}
 
     t = _values(rank, 4)
@@ -56,21 +59,21 @@ def primitive_states() -> dict[str, tuple[list[int] | None, list[int] | None]]:
 
     full = _values(rank, 4 * n)
     chunks = list(full.chunk(n)) if rank == 0 else None
-    t = torch.zeros(4, dtype=torch.int64)
+    t = torch.zeros(4, dtype=torch.int64, device=dev)
     dist.scatter(t, scatter_list=chunks, src=0)
     out["scatter"] = (full.tolist() if rank == 0 else None, t.tolist())
 
     t = _values(rank, 4)
-    g = torch.empty(4 * n, dtype=torch.int64)
+    g = torch.empty(4 * n, dtype=torch.int64, device=dev)
     all_gather_into(g, t)
     out["all_gather"] = (before, g.tolist())
 
-    t = torch.empty(4, dtype=torch.int64)
+    t = torch.empty(4, dtype=torch.int64, device=dev)
     reduce_scatter_into(t, full)
     out["reduce_scatter"] = (full.tolist(), t.tolist())
 
     src = _values(rank, n)
-    dst = torch.empty(n, dtype=torch.int64)
+    dst = torch.empty(n, dtype=torch.int64, device=dev)
     dist.all_to_all_single(dst, src)  # element j goes to rank j
     out["all_to_all"] = (src.tolist(), dst.tolist())
 
@@ -82,7 +85,7 @@ def primitive_states() -> dict[str, tuple[list[int] | None, list[int] | None]]:
     out["send/recv"] = (before, t.tolist())
 
     dist.barrier()
-    t0 = torch.tensor([time.time()], dtype=torch.float64)
+    t0 = torch.tensor([time.time()], dtype=torch.float64, device=dev)
     dist.broadcast(t0, src=0)  # one clock origin for everybody
     time.sleep(0.1 * rank)
     arrive = time.time()
@@ -111,13 +114,14 @@ def training_step_comms() -> dict[str, Any]:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
+    dev = world().device
     torch.manual_seed(0)
-    x = torch.randn(8, 16)
-    ddp = DDP(MLP((16, 64, 64, 8)))
+    x = torch.randn(8, 16).to(dev)
+    ddp = DDP(MLP((16, 64, 64, 8)).to(dev))
     ddp_comm_hook_accounting(ddp)
     with count_comms() as ddp_log:
         ddp(x).square().mean().backward()
-    model = MLP((16, 64, 64, 8))
+    model = MLP((16, 64, 64, 8)).to(dev)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for layer in model.layers:
         fully_shard(layer)
@@ -140,5 +144,6 @@ def ring_trace_states(numel_per_chunk: int = 1) -> list[list[int]]:
     from dtlib.collectives.algorithms import ring_all_reduce_trace
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    t = torch.full((n * numel_per_chunk,), 10 ** rank, dtype=torch.int64)
+    t = torch.full((n * numel_per_chunk,), 10 ** rank, dtype=torch.int64,
+                   device=world().device)
     return [s.tolist() for s in ring_all_reduce_trace(t)]

@@ -155,7 +155,8 @@ def train_torch(gpt: dict, batch: int, n_microbatches: int, steps: int,
             sched.step(target=tgt, losses=mb_losses)
         else:
             sched.step()
-        loss = torch.stack(mb_losses).sum().detach() if last else torch.zeros(())
+        loss = torch.stack(mb_losses).sum().detach() if last else \
+            torch.zeros((), device=w.device)
         dist.broadcast(loss, src=w.world_size - 1)
         if step == 0:
             grads = {n: p.grad.detach().cpu().clone()
@@ -235,7 +236,8 @@ def timeline_rank(gpt: dict, batch: int, n_microbatches: int,
             stage.zero_grad()
             results.append(res)
         # Pick the same repeat on every rank: the one whose slowest stage was fastest.
-        spans = torch.tensor([max(e.end for e in r.events) for r in results[1:]])
+        spans = torch.tensor([max(e.end for e in r.events) for r in results[1:]],
+                             device=world().device)
         dist.all_reduce(spans, op=dist.ReduceOp.MAX)
         best = results[1 + int(spans.argmin())]
         out[schedule] = {"events": best.events, "peak_in_flight": best.peak_in_flight}

@@ -1,0 +1,131 @@
+"""Every tensor a rank creates lives on the rank's device (NCCL's first rule), on CPU CI.
+
+:mod:`device_check` makes the world's device ``meta`` while gloo still runs on the CPU,
+marks every tensor made without ``device=`` as *host* (where it would land on a GPU
+node), and records each collective or point-to-point call given a host tensor and each
+compute op mixing host and device tensors. The rank functions the book and the
+benchmarks launch, and the ``%%torchrun`` cells of chapters 0 and 2 that are meant to
+succeed, must produce no record. The first test shows the check fails on the mistakes
+it is for. What it cannot see is said in :mod:`device_check`'s docstring; the cells
+that fail on purpose (a deadlock, a crash) are not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import device_check
+from dtlib.runtime import launch
+from dtlib.runtime.dist import world
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def mistakes() -> dict[str, list[str]]:
+    """On every rank: each classic mistake, run under the rules, and the right way."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    start = len(device_check.violations)
+
+    def since() -> list[str]:
+        nonlocal start
+        new = device_check.violations[start:]
+        start = len(device_check.violations)
+        return new
+
+    t = torch.zeros(3)  # no device: on a GPU node this is a CPU tensor
+    dist.all_reduce(t)
+    out["factory"] = since()
+    x = torch.ones(2, 3, device=world().device)
+    _ = x + torch.ones(2, 3)
+    out["mix"] = since()
+    _ = DDP(torch.nn.Linear(3, 3))
+    out["ddp"] = since()
+    buf = torch.empty(3, device=world().device)
+    dist.broadcast(buf, src=0)
+    _ = DDP(torch.nn.Linear(3, 3).to(world().device))
+    total = torch.zeros((), device=world().device) + x.sum() * torch.tensor(2.0)
+    dist.all_reduce(total)
+    out["right"] = since()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_the_check_catches_each_mistake(world_size):
+    for r in launch.spawn(device_check.checked, world_size, mistakes, timeout=90):
+        got = r["value"]
+        assert any("dist.all_reduce got a tensor" in v for v in got["factory"])
+        assert any("'add' mixes" in v for v in got["mix"])
+        assert any("DDP was given" in v for v in got["ddp"])
+        assert got["right"] == []  # the right way raises nothing (0-d scalars mix)
+
+
+def book_rank_code() -> dict:
+    """On every rank: every rank function of chapters 2 and 6 and of the benchmarks."""
+    from dtlib.bench import collectives as bench_coll, launch as bench_launch
+    from dtlib.chapters.ch02_collectives import runs as ch02
+    from dtlib.chapters.ch06_pipeline_parallel import runs as ch06
+
+    ch02.primitive_states()
+    ch02.ring_trace_states()
+    ch02.training_step_comms()
+    # The tracer front end (torch.export) refuses to trace under a function mode.
+    m = dist.get_world_size()  # torch's 1F1B needs m >= stages
+    pp = ch06.compare_all(ch06.PP_GPT, batch=2 * m, n_microbatches=m, steps=1,
+                          impls=("teaching-gpipe", "teaching-1f1b", "torch-gpipe",
+                                 "torch-1f1b"))
+    ch06.timeline_rank(ch06.PP_GPT, 2 * m, m, repeats=1)
+    bench_coll.time_collectives([4096], list(bench_coll.OPS), budget=0.01)
+    bench_launch.hello()
+    return {"loss_diff": max(pp[i]["loss_diff"] for i in pp if i != "ref_losses")}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_book_rank_code_keeps_every_tensor_on_the_device(world_size):
+    results = launch.spawn(device_check.checked, world_size, book_rank_code,
+                           timeout=240, stream=False)
+    for r in results:
+        assert r["violations"] == []
+        assert r["value"]["loss_diff"] < 1e-5  # the rules changed no number
+
+
+def torchrun_cells(notebook: str) -> list[str]:
+    """The ``%%torchrun`` cells of ``notebook`` that are meant to succeed."""
+    with open(os.path.join(ROOT, "notebooks", notebook)) as f:
+        cells = json.load(f)["cells"]
+    return ["".join(c["source"]).split("\n", 1)[1] for c in cells
+            if "".join(c["source"]).startswith("%%torchrun")
+            and "raises-exception" not in c.get("metadata", {}).get("tags", [])]
+
+
+PROLOGUE = (
+    "import os, sys\n"
+    "sys.path.insert(0, {here!r})\n"
+    "import device_check\n"
+    "device_check.install(report=os.path.join({out!r}, os.environ['RANK'] + '.json'))\n"
+)
+
+
+@pytest.mark.parametrize("notebook", ["00_hello_distributed.ipynb",
+                                      "02_collectives.ipynb"])
+def test_torchrun_cells_keep_every_tensor_on_the_device(notebook, tmp_path):
+    from dtlib.bench.launch import HELLO
+
+    cells = torchrun_cells(notebook) + ([HELLO] if notebook.startswith("00") else [])
+    assert cells, f"{notebook} has no %%torchrun cell that should succeed"
+    for k, cell in enumerate(cells):
+        out = tmp_path / f"cell{k}"
+        out.mkdir()
+        script = tmp_path / f"cell{k}.py"
+        script.write_text(PROLOGUE.format(here=HERE, out=str(out)) + cell)
+        launch.torchrun(script, nproc=2, timeout=120, stream=False)
+        for rank in range(2):
+            found = json.loads((out / f"{rank}.json").read_text())
+            assert found == [], f"cell {k} of {notebook}, rank {rank}: {found}"
