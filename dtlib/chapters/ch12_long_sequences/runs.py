@@ -213,3 +213,75 @@ def tp_and_sp_block(cfg: GPTConfig, batch: int, seed: int = 0) -> dict[str, Any]
     """
     return {"tp": sp_block_run(cfg, batch, False, seed),
             "sp": sp_block_run(cfg, batch, True, seed)}
+
+
+def train_interleaved(gpt: dict, batch: int, n_microbatches: int, steps: int,
+                      n_chunks: int, schedule: str = "interleaved-1f1b"
+                      ) -> dict[str, Any]:
+    """One rank of Chapter 6's pipeline training with an interleaved torch schedule.
+
+    The GPT is cut into ``p * v`` stages (``v = n_chunks``); rank ``r`` holds the
+    virtual stages ``r, r + p, ..., r + (v - 1) p``, each wrapped in a
+    ``PipelineStage``, and ``ScheduleInterleaved1F1B`` (or
+    ``ScheduleInterleavedZeroBubble``) runs them. The loss divides by ``m`` and
+    ``scale_grads`` is off, as in Chapter 6's ``train_torch``.
+
+    Args:
+        gpt: the GPT's configuration as a dict (Chapter 6's ``PP_GPT``).
+        batch, n_microbatches, steps: as Chapter 6's ``train_torch``.
+        n_chunks: model chunks per rank, ``v``.
+        schedule: ``"interleaved-1f1b"`` or ``"interleaved-zero-bubble"``.
+    Returns:
+        ``losses``, this rank's ``grads`` (step 0) and ``params`` (after ``steps``),
+        by the whole model's parameter names.
+    """
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
+                                               ScheduleInterleavedZeroBubble)
+
+    from dtlib.chapters.ch06_pipeline_parallel.runs import _batch, _opt, lm_loss
+    from dtlib.pipeline_parallel.split import split_gpt
+
+    classes = {"interleaved-1f1b": ScheduleInterleaved1F1B,
+               "interleaved-zero-bubble": ScheduleInterleavedZeroBubble}
+    if schedule not in classes:
+        raise ValueError(f"schedule={schedule!r} is not allowed; allowed: "
+                         f"{sorted(classes)}")
+    cfg = GPTConfig(**gpt)
+    w = ddist.world()
+    p, v = w.world_size, n_chunks
+    model = build_gpt(cfg, seed=0).to(w.device)
+    stages = split_gpt(model, p * v)
+    mine = [stages[w.rank + k * p] for k in range(v)]  # virtual stages r, r+p, ...
+    pstages = [PipelineStage(mod, w.rank + k * p, p * v, w.device)
+               for k, mod in enumerate(mine)]
+
+    def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return lm_loss(out, tgt) / n_microbatches
+
+    cls = classes[schedule]
+    kwargs = {"scale_grads": False} if "scale_grads" in \
+        inspect.signature(cls.__init__).parameters else {}
+    sched = cls(pstages, n_microbatches, loss_fn=loss_fn, **kwargs)
+    params = [q for mod in mine for q in mod.parameters()]
+    opt = _opt(params)
+    named = {n: q for mod in mine for n, q in mod.named_parameters()}
+    losses, grads = [], {}
+    first, last = w.rank == 0, w.rank == p - 1  # virtual stages 0 and p*v - 1
+    for step in range(steps):
+        idx, tgt = _batch(cfg, batch, step)
+        opt.zero_grad()
+        mb_losses: list[torch.Tensor] = []
+        kw: dict[str, Any] = {"target": tgt, "losses": mb_losses} if last else {}
+        sched.step(idx, **kw) if first else sched.step(**kw)
+        loss = torch.stack(mb_losses).sum().detach() if last else \
+            torch.zeros((), device=w.device)
+        dist.broadcast(loss, src=p - 1)
+        if step == 0:
+            grads = {n: q.grad.detach().cpu().clone() for n, q in named.items()}
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads,
+            "params": {n: q.detach().cpu().clone() for n, q in named.items()}}

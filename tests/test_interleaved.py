@@ -1,0 +1,73 @@
+"""Chapter 12: interleaved pipeline schedules.
+
+The simulator's bubble equals Narayanan et al.'s (1/v)(p-1)/m exactly (rel 1e-12:
+sums of fractions of time units); ``v = 1`` reproduces Chapter 6's 1F1B. torch's
+``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` train Chapter 6's
+GPT equal to one process on 2 and 4 ranks, with Chapter 6's tolerances (loss 1e-5,
+gradients 1e-6 absolute; parameters 2e-3 after AdamW at lr 1e-2, where Adam divides
+rounding-level gradient differences by their own size).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dtlib.chapters.ch06_pipeline_parallel.runs import PP_GPT, reference_training
+from dtlib.chapters.ch12_long_sequences.runs import train_interleaved
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.pipeline_parallel.interleaved import (interleaved_bubble, interleaved_order,
+                                                 simulate_interleaved)
+from dtlib.pipeline_parallel.schedules import simulate
+from dtlib.runtime import launch
+
+LOSS_ATOL, GRAD_ATOL, PARAM_ATOL = 1e-5, 1e-6, 2e-3
+
+
+def _bubble(events, m: int, t_f: float = 1.0, t_b: float = 2.0) -> float:
+    span = max(e.end for e in events) - min(e.start for e in events)
+    return (span - m * (t_f + t_b)) / (m * (t_f + t_b))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (4, 2, 4),
+                                   (8, 3, 16), (4, 2, 12)])
+def test_simulated_bubble_is_the_formula(p: int, v: int, m: int) -> None:
+    events = simulate_interleaved(p, v, m)
+    assert _bubble(events, m) == pytest.approx(interleaved_bubble(p, v, m), rel=1e-12)
+    for r in range(p):  # every (micro-batch, chunk) forward and backward once
+        acts = interleaved_order(r, p, v, m)
+        assert sorted(acts) == sorted((k, i, c) for k in "BF" for i in range(m)
+                                      for c in range(v))
+
+
+def test_one_chunk_is_chapter_6_1f1b() -> None:
+    p, m = 4, 8
+    ours = simulate_interleaved(p, 1, m)
+    ch6 = simulate("1f1b", p, m)
+    assert max(e.end for e in ours) == max(e.end for e in ch6)
+    assert _bubble(ours, m) == pytest.approx((p - 1) / m)
+
+
+def test_bad_micro_batch_count_is_named() -> None:
+    with pytest.raises(ValueError, match="n_microbatches=6 must be divisible"):
+        interleaved_order(0, 4, 2, 6)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_torch_interleaved_schedules_equal_one_process(world_size: int) -> None:
+    batch, m, steps, v = 8, 4, 2, 2
+    ref = reference_training(PP_GPT, batch, steps)
+    for schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
+        res = launch.spawn(train_interleaved, world_size, PP_GPT, batch, m, steps, v,
+                           schedule, stream=False, timeout=120)
+        assert set().union(*(r["params"] for r in res)) == set(ref["params"])
+        for r in res:
+            assert max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])) \
+                <= LOSS_ATOL
+            for n, g in r["grads"].items():
+                assert (g - ref["grads"][n]).abs().max().item() <= GRAD_ATOL, n
+            for n, q in r["params"].items():
+                assert (q - ref["params"][n]).abs().max().item() <= PARAM_ATOL, n
+    # not vacuous: training moved the parameters far more than the tolerance
+    start = build_gpt(GPTConfig(**PP_GPT), seed=0).state_dict()
+    moved = max((ref["params"][n] - start[n]).abs().max().item() for n in ref["params"])
+    assert moved > 10 * PARAM_ATOL
