@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from dtlib.zero.optimizer import ZeRO, no_decay_groups
 
-__all__ = ["TinyMoE", "ROUTINGS", "route", "moe_batch", "moe_reference", "moe_rank"]
+__all__ = ["TinyMoE", "ROUTINGS", "route", "moe_batch", "moe_reference", "moe_rank",
+           "moe_demo_rank"]
 
 WIDTH, N_OUT, PER_RANK = 6, 3, 4
 
@@ -139,3 +140,19 @@ def moe_rank(stage: int, steps: int = 4, lr: float = 1e-2, freeze: bool = False,
             "moved": max(float((r - init[n]).abs().max()) for n, r in ref.items()),
             "missing": sorted(set(ref) - set(got)),
             **orders}
+
+
+def moe_demo_rank() -> dict[str, Any]:
+    """On every rank: the toy MoE (expert 1 on rank 0 only) under stages 1 and 2, and
+    stage 3's refusal.
+
+    Returns:
+        ``{"stage1": moe_rank(1), "stage2": moe_rank(2), "stage3_error": message}``.
+    """
+    out: dict[str, Any] = {"stage1": moe_rank(1), "stage2": moe_rank(2)}
+    try:
+        moe_rank(3, steps=1)
+        out["stage3_error"] = "no error"
+    except RuntimeError as exc:
+        out["stage3_error"] = str(exc)
+    return out
