@@ -337,3 +337,125 @@ def test_atomic_save_checker_accepts_os_rename(capsys) -> None:
 
     check_atomic_save(_save_with_rename)
     assert "Correct" in capsys.readouterr().out
+
+
+# ---- build-on-real-ranks exercises: right answers accepted, typical mistakes named ----
+
+class _F(torch.autograd.Function):
+    """f: forward identity, backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def _column_with_f(x, weight_shard, bias_shard):
+    return torch.nn.functional.linear(_F.apply(x), weight_shard, bias_shard)
+
+
+def _column_without_f(x, weight_shard, bias_shard):
+    return torch.nn.functional.linear(x, weight_shard, bias_shard)
+
+
+def test_column_parallel_checker(capsys) -> None:
+    from dtlib.exercises.tensor_parallel import check_column_parallel
+    from dtlib.tensor_parallel.mappings import copy_to_tp
+
+    check_column_parallel(_column_with_f)
+    check_column_parallel(lambda x, w, b: torch.nn.functional.linear(copy_to_tp(x), w, b),
+                          world_sizes=(2,))
+    assert capsys.readouterr().out.count("Correct") == 2
+    with pytest.raises(WrongAnswer, match="x.grad holds only this rank's share"):
+        check_column_parallel(_column_without_f, world_sizes=(2,))
+
+
+def _zero2_hook(param):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = param.grad.reshape(-1)
+    shard = torch.empty(flat.numel() // n, dtype=flat.dtype)
+    dist.reduce_scatter_tensor(shard, flat)
+    param.grad_shard = shard / n
+    param.grad = None
+
+
+def _all_reduce_hook(param):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    flat = param.grad.reshape(-1) / n
+    dist.all_reduce(flat)
+    k = flat.numel() // n
+    param.grad_shard = flat[rank * k:(rank + 1) * k]
+    param.grad = None
+
+
+def _summing_hook(param):
+    flat = param.grad.reshape(-1)
+    shard = torch.empty(flat.numel() // dist.get_world_size(), dtype=flat.dtype)
+    dist.reduce_scatter_tensor(shard, flat)
+    param.grad_shard = shard
+    param.grad = None
+
+
+def test_zero2_hook_checker(capsys) -> None:
+    from dtlib.exercises.zero import check_zero2_hook
+
+    check_zero2_hook(_zero2_hook)
+    assert "Correct" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="calls \\['all_reduce'\\]"):
+        check_zero2_hook(_all_reduce_hook, world_sizes=(2,))
+    with pytest.raises(WrongAnswer, match="world_size times too large"):
+        check_zero2_hook(_summing_hook, world_sizes=(2,))
+
+
+def _gpipe_step(stage, micro_batches, targets, act_shape):
+    if dist.get_rank() == 0:
+        outs = []
+        for x in micro_batches:
+            y = stage(x)
+            dist.send(y.detach(), dst=1)
+            outs.append(y)
+        for y in outs:
+            grad = torch.empty_like(y)
+            dist.recv(grad, src=1)
+            y.backward(grad)
+        return None
+    inputs, losses = [], []
+    for t in targets:
+        a = torch.empty(act_shape)
+        dist.recv(a, src=0)
+        a.requires_grad_()
+        inputs.append(a)
+        losses.append(torch.nn.functional.mse_loss(stage(a), t) / len(targets))
+    for a, loss in zip(inputs, losses):
+        loss.backward()
+        dist.send(a.grad, dst=0)
+    return sum(loss.item() for loss in losses)
+
+
+def _forward_only_step(stage, micro_batches, targets, act_shape):
+    if dist.get_rank() == 0:
+        for x in micro_batches:
+            dist.send(stage(x).detach(), dst=1)
+        return None
+    total = 0.0
+    for t in targets:
+        a = torch.empty(act_shape)
+        dist.recv(a, src=0)
+        loss = torch.nn.functional.mse_loss(stage(a), t) / len(targets)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def test_pipeline_step_checker(capsys) -> None:
+    from dtlib.exercises.pipeline_parallel import check_pipeline_step
+
+    check_pipeline_step(_gpipe_step)
+    assert "Correct" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="the first stage \\(rank 0\\) has no gradient"):
+        check_pipeline_step(_forward_only_step)

@@ -143,6 +143,41 @@ def checker(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],
+                 world_size: int, *args: Any, timeout: float = 60.0,
+                 what: str = "your code") -> list[Any]:
+    """Run ``on_rank(learner_fn, *args)`` on ``world_size`` real ranks.
+
+    ``learner_fn`` may be defined in a notebook cell: the closure that carries it is
+    sent by value (:func:`dtlib.runtime.launch.spawn`). A rank that raises or a hang
+    becomes a :class:`WrongAnswer` holding the launcher's report.
+
+    Args:
+        on_rank: an importable function that runs the learner's answer on one rank.
+        learner_fn: the learner's function.
+        world_size: ranks to start.
+        timeout: seconds before a hang is reported.
+        what: how to name the learner's code in messages.
+    Returns:
+        Each rank's return value of ``on_rank``.
+    """
+    from dtlib.runtime import launch
+
+    def rank_main() -> Any:
+        return on_rank(learner_fn, *args)
+
+    try:
+        return launch.spawn(rank_main, world_size, timeout=timeout, stream=False)
+    except launch.LaunchTimeout as exc:
+        raise WrongAnswer(
+            f"on {world_size} ranks {what} did not finish in {timeout:g} s. Where each "
+            "rank was:\n  " + "\n  ".join(exc.report),
+            "a rank waits for a message or a collective that its peer never sends or "
+            "joins: compare the order of the calls on each rank") from None
+    except launch.LaunchError as exc:
+        raise WrongAnswer(f"on {world_size} ranks {what} failed:\n{exc}") from None
+
+
 def check_close(name: str, got: Any, expected: float, *, rel: float = 1e-6,
                 hint: str = "") -> None:
     """Raise :class:`WrongAnswer` unless ``got`` is a number within ``rel`` of

@@ -39,9 +39,13 @@ _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object",
 
 
 @contextlib.contextmanager
-def _watch_p2p() -> Iterator[list[tuple[str, int | None, int]]]:
+def watch_comms() -> Iterator[list[tuple[str, int | None, int]]]:
     """Record ``(kind, peer, numel)`` for every send/recv, ``(name, None, 0)`` for
-    every collective, issued inside the block."""
+    every collective, issued inside the block (on this rank).
+
+    Returns:
+        The list, filled as the block runs.
+    """
     log: list[tuple[str, int | None, int]] = []
     saved = {name: getattr(c10d, name) for name in (*_P2P, *_COLLECTIVES)}
 
@@ -121,7 +125,7 @@ def _check_all_gather_on_rank(source: str, name: str) -> list[str]:
                              ).reshape(shape) + 100 * rank
         want = torch.cat([torch.arange(shard.numel()).reshape(shape) + 100 * r
                           for r in range(n)])
-        with _watch_p2p() as log:
+        with watch_comms() as log:
             got = fn(shard.clone())
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or \
                 not torch.equal(got, want):

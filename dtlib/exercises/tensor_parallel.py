@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dtlib.runtime import launch
-from dtlib.exercises import WrongAnswer, check_close, checker, passed
+from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.tensor_parallel.layers import (copy_to_tp, full_linear, reduce_from_tp, tp_rank,
                                    tp_size)
 from dtlib.tensor_parallel.gpt import block_tp_numbers
@@ -119,3 +119,96 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
                         "dtype of the tensor each one all-reduces, in forward and in "
                         "backward ('Two ways to split a matmul')"))
     passed(f"your formulas match the tensor-parallel block on {len(cases)} shapes")
+
+
+# ---- build it: a column-parallel linear layer with f, on real ranks ------------------
+
+_COL_IN, _COL_OUT, _COL_BATCH = 8, 16, 3
+
+
+def _column_on_rank(fn: Callable[..., torch.Tensor]) -> dict[str, Any]:
+    """On every rank: the learner's column-parallel forward on this rank's rows of one
+    full layer, then backward of ``(out * upstream_slice).sum()``."""
+    n, r = tp_size(), tp_rank()
+    full = full_linear(_COL_IN, _COL_OUT, seed=1)
+    lo, hi = r * _COL_OUT // n, (r + 1) * _COL_OUT // n
+    w = full.weight[lo:hi].detach().clone().requires_grad_()  # (h_out/tp, h_in)
+    b = full.bias[lo:hi].detach().clone().requires_grad_()  # (h_out/tp,)
+    x = torch.randn(_COL_BATCH, _COL_IN, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()  # (b, h_in), the same on every rank
+    upstream = torch.randn(_COL_BATCH, _COL_OUT,
+                           generator=torch.Generator().manual_seed(1))[:, lo:hi]
+    out = fn(x, w, b)
+    if not isinstance(out, torch.Tensor) or out.shape != (_COL_BATCH, hi - lo):
+        return {"shape": tuple(out.shape) if isinstance(out, torch.Tensor) else None,
+                "rows": (lo, hi)}
+    (out * upstream).sum().backward()
+    return {"shape": tuple(out.shape), "rows": (lo, hi), "out": out.detach(),
+            "x_grad": x.grad, "w_grad": w.grad, "b_grad": b.grad}
+
+
+def _column_reference(rows: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """One process: the full layer, or (``rows``) only those output rows."""
+    full = full_linear(_COL_IN, _COL_OUT, seed=1)
+    lo, hi = rows or (0, _COL_OUT)
+    x = torch.randn(_COL_BATCH, _COL_IN, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_()
+    upstream = torch.randn(_COL_BATCH, _COL_OUT,
+                           generator=torch.Generator().manual_seed(1))
+    out = F.linear(x, full.weight[lo:hi], full.bias[lo:hi])
+    (out * upstream[:, lo:hi]).sum().backward()
+    return {"out": out.detach(), "x_grad": x.grad, "w_grad": full.weight.grad[lo:hi],
+            "b_grad": full.bias.grad[lo:hi]}
+
+
+def _close(a: Any, b: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and \
+        torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@checker
+def check_column_parallel(fn: Callable[..., torch.Tensor],
+                          world_sizes: tuple[int, ...] = (2, 4)) -> None:
+    """Check ``fn(x, weight_shard, bias_shard) -> out_shard``: a column-parallel linear.
+
+    On each of ``world_sizes`` real ranks, ``x`` is the whole input (the same on every
+    rank) and the shards are this rank's rows of one full ``nn.Linear``. The output
+    slice, ``x``'s gradient and the shards' gradients must equal one process's.
+    """
+    full = _column_reference()
+    for n in world_sizes:
+        ranks = run_on_ranks(_column_on_rank, fn, n, what="your column-parallel layer")
+        for r, res in enumerate(ranks):
+            lo, hi = res["rows"]
+            where = f"tp={n}, rank {r}"
+            if "out" not in res:
+                raise WrongAnswer(f"{where}: the output has shape {res['shape']}; a "
+                                  "column-parallel layer returns this rank's slice, "
+                                  f"(batch, h_out / tp) = ({_COL_BATCH}, {hi - lo}).")
+            if not _close(res["out"], full["out"][:, lo:hi]):
+                raise WrongAnswer(
+                    f"{where}: the output slice differs from one process's columns "
+                    f"{lo}:{hi}.", "in forward a column-parallel layer needs no "
+                    "communication: f is the identity there ('Two ways to split a "
+                    "matmul').")
+            if res["x_grad"] is None:
+                raise WrongAnswer(f"{where}: x.grad is None: the output does not depend "
+                                  "on x through autograd (a detach, or no_grad?).")
+            if _close(res["x_grad"], _column_reference((lo, hi))["x_grad"]) and n > 1:
+                raise WrongAnswer(
+                    f"{where}: x.grad holds only this rank's share of the input "
+                    "gradient: the contribution of its own output columns.",
+                    "the input is used by every rank's columns, so its gradient is the "
+                    "sum over ranks. Which operator sums in backward and does nothing "
+                    "in forward, and where must it sit? ('Two ways to split a "
+                    "matmul')")
+            if not _close(res["x_grad"], full["x_grad"]):
+                raise WrongAnswer(f"{where}: x.grad differs from one process's.",
+                                  "in backward, f sums the ranks' input gradients once; "
+                                  "nothing else may touch them")
+            if not (_close(res["w_grad"], full["w_grad"][lo:hi]) and
+                    _close(res["b_grad"], full["b_grad"][lo:hi])):
+                raise WrongAnswer(f"{where}: the weight or bias shard's gradient differs "
+                                  "from one process's rows.")
+    passed(f"your column-parallel layer with f equals one process on "
+           f"{list(world_sizes)} ranks: output slices, input and weight gradients")

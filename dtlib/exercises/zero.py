@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from dtlib.exercises import WrongAnswer, checker, passed
+from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
 
@@ -132,3 +132,99 @@ def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]]) -> None:
                               f"this term {verdict}.", hint)
     passed("your per-device bytes of each model state match the ZeRO paper for "
            "stages 0-3")
+
+
+# ---- build it: ZeRO-2's gradient reduce-scatter, as a hook, on real ranks ------------
+
+def _zero2_model() -> torch.nn.Module:
+    # Every parameter's numel (32, 8, 32, 4) divides by 2 and by 4: no padding to teach.
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 4))
+
+
+def _zero2_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+
+
+def _zero2_on_rank(hook: Callable[[torch.nn.Parameter], None]) -> dict[str, Any]:
+    """On every rank: the learner's hook on every parameter, one backward."""
+    import torch.distributed as dist
+
+    from dtlib.exercises.collectives import watch_comms
+
+    model = _zero2_model()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    x, y = _zero2_batch(dist.get_rank())
+    with watch_comms() as log:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    return {"shards": [getattr(p, "grad_shard", None) for p in model.parameters()],
+            "grads_freed": [p.grad is None for p in model.parameters()],
+            "comms": [kind for kind, _, _ in log]}
+
+
+def _zero2_truth(world_size: int) -> list[torch.Tensor]:
+    """The averaged gradient of every parameter, flattened, from one process."""
+    grads = []
+    for rank in range(world_size):
+        model = _zero2_model()
+        x, y = _zero2_batch(rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.reshape(-1) for p in model.parameters()])
+    return [torch.stack(per).mean(0) for per in zip(*grads)]
+
+
+@checker
+def check_zero2_hook(hook: Callable[[torch.nn.Parameter], None],
+                     world_sizes: tuple[int, ...] = (2, 4)) -> None:
+    """Check ``hook(param)``, registered with ``register_post_accumulate_grad_hook``.
+
+    ZeRO-2: once a parameter's gradient is complete on a rank, one reduce-scatter
+    leaves in ``param.grad_shard`` this rank's shard of the gradient averaged over the
+    ranks (elements ``rank * k : (rank + 1) * k`` of the flattened gradient,
+    ``k = numel / world_size``) and the full ``param.grad`` is freed (``None``).
+    """
+    names = ("0.weight", "0.bias", "2.weight", "2.bias")
+    for n in world_sizes:
+        truth = _zero2_truth(n)
+        ranks = run_on_ranks(_zero2_on_rank, hook, n, what="your ZeRO-2 hook")
+        for r, res in enumerate(ranks):
+            where = f"world_size={n}, rank {r}"
+            other = sorted({c for c in res["comms"] if c != "reduce_scatter_tensor"})
+            if other:
+                raise WrongAnswer(
+                    f"{where}: your hook calls {other}.", "ZeRO-2 never needs the whole "
+                    "averaged gradient on a rank: dist.reduce_scatter_tensor delivers "
+                    "only this rank's shard, half the traffic of an all-reduce ('The "
+                    "three stages').")
+            if res["comms"].count("reduce_scatter_tensor") != len(names):
+                raise WrongAnswer(f"{where}: {len(res['comms'])} reduce-scatters for "
+                                  f"{len(names)} parameters; one per parameter.")
+            for name, got, freed, full in zip(names, res["shards"],
+                                              res["grads_freed"], truth):
+                k = full.numel() // n
+                want = full[r * k:(r + 1) * k]
+                if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                    raise WrongAnswer(
+                        f"{where}, {name}: param.grad_shard should be a tensor of "
+                        f"{k} elements (numel / world_size), got "
+                        f"{tuple(got.shape) if isinstance(got, torch.Tensor) else got!r}"
+                        ".")
+                if torch.allclose(got, want * n, rtol=1e-5, atol=1e-7):
+                    raise WrongAnswer(f"{where}, {name}: the shard is world_size times "
+                                      "too large: the reduce-scatter sums.",
+                                      "average: divide by the world size")
+                if not torch.allclose(got, want, rtol=1e-5, atol=1e-7):
+                    raise WrongAnswer(f"{where}, {name}: the shard differs from this "
+                                      "rank's slice of the averaged gradient.",
+                                      "reduce-scatter the flattened gradient "
+                                      "(param.grad.reshape(-1)); rank r receives "
+                                      "elements r*k to (r+1)*k")
+                if not freed:
+                    raise WrongAnswer(f"{where}, {name}: param.grad still holds the "
+                                      "full gradient.", "ZeRO-2 saves memory only if "
+                                      "the full gradient is dropped: param.grad = None")
+    passed(f"your hook reduce-scatters each gradient and keeps only the shard, on "
+           f"{list(world_sizes)} ranks")
