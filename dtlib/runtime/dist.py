@@ -75,28 +75,76 @@ def _from_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
-def choose_backend(local_rank: int, backend: str | None = None) -> str:
-    """NCCL when CUDA has a device for ``local_rank``, gloo otherwise.
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(local_rank: int, backend: str | None = None,
+                   local_world_size: int | None = None) -> str:
+    """One backend for the whole world: NCCL when *every* rank on this machine has a
+    GPU of its own, gloo otherwise.
+
+    Deciding per rank ("NCCL if my local rank has a GPU") splits a world of 4 ranks on
+    a 2-GPU machine into NCCL and gloo ranks, whose first collective waits forever.
+    The rule here gives the same answer on every rank of a machine (same GPU count,
+    same ``LOCAL_WORLD_SIZE``); :func:`init` checks that all ranks agree before it
+    joins the group.
 
     Args:
         local_rank: this process's index on its machine.
         backend: force ``"gloo"`` or ``"nccl"``; ``None`` chooses. The environment
             variable ``DTLIB_BACKEND`` overrides the automatic choice too.
+        local_world_size: ranks on this machine (default: ``LOCAL_WORLD_SIZE``, or
+            ``local_rank + 1`` when unset).
     Returns:
         ``"gloo"`` or ``"nccl"``.
     """
     backend = backend or os.environ.get("DTLIB_BACKEND") or None
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed: {BACKENDS}")
-    has_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
-    if backend == "nccl" and not has_gpu:
+    if local_world_size is None:
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", local_rank + 1)
+    gpus = _gpus()
+    if backend == "nccl" and local_rank >= gpus:
         raise ValueError(
             f"backend='nccl' needs a CUDA device for local_rank={local_rank}; "
-            f"this machine has {torch.cuda.device_count()} (use 'gloo' on CPU)"
+            f"this machine has {gpus} (use 'gloo' on CPU)"
         )
     if backend is None:
-        backend = "nccl" if has_gpu else "gloo"
+        backend = "nccl" if 0 < gpus and local_world_size <= gpus else "gloo"
     return backend
+
+
+def too_few_gpus(local_world_size: int) -> str | None:
+    """The message a launch on a CUDA machine with fewer GPUs than ranks prints (every
+    rank then runs on the CPU with gloo), or None when there is nothing to say."""
+    gpus = _gpus()
+    if 0 < gpus < local_world_size:
+        return (f"dtlib: {local_world_size} ranks on this machine but {gpus} GPUs: "
+                "every rank runs on the CPU with gloo (one backend per world). Start "
+                f"at most {gpus} ranks (%%torchrun or spawn without -n) to use the "
+                "GPUs.")
+    return None
+
+
+def agree_backend(store: Any, rank: int, world_size: int, backend: str) -> None:
+    """Check, through the rendezvous store and before joining the group, that every
+    rank chose the same backend: a mixed world would hang in its first collective.
+
+    Raises:
+        RuntimeError: naming which ranks chose which backend.
+
+    Taught in: Chapter 0, "One backend per world".
+    """
+    store.set(f"dtlib/backend/{rank}", backend)
+    chosen = [store.get(f"dtlib/backend/{r}").decode() for r in range(world_size)]
+    if len(set(chosen)) > 1:
+        by = {b: [r for r, c in enumerate(chosen) if c == b]
+              for b in sorted(set(chosen))}
+        raise RuntimeError(
+            "ranks chose different backends, which would hang at the first "
+            f"collective: {by}. Give every machine as many GPUs as ranks, or set "
+            "DTLIB_BACKEND=gloo for all ranks")
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
@@ -141,7 +189,11 @@ def init(
     if dist.is_initialized():
         return world()
     rank, local_rank, world_size = _from_env()
-    backend = choose_backend(local_rank, backend)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", local_rank + 1)
+    backend = choose_backend(local_rank, backend, local_world_size)
+    why = too_few_gpus(local_world_size) if backend == "gloo" else None
+    if why and local_rank == 0:
+        print(why, file=sys.stderr, flush=True)
     if timeout is None:
         timeout = DEFAULT_TIMEOUT_S
     if not isinstance(timeout, timedelta):
@@ -156,8 +208,11 @@ def init(
         kwargs["device_id"] = device
     if store is None and world_size == 1 and "MASTER_ADDR" not in os.environ:
         store = dist.HashStore()  # a world of one needs no network rendezvous
-    if store is not None:
-        kwargs.update(store=store, rank=rank, world_size=world_size)
+    if store is None:  # torchrun's env://, opened here so that ranks can compare
+        store = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))[0]
+    if world_size > 1:
+        agree_backend(store, rank, world_size, backend)
+    kwargs.update(store=store, rank=rank, world_size=world_size)
     dist.init_process_group(**kwargs)
     if world_size > 1:
         # Every rank leaves init connected to every other: a fast rank that finishes
@@ -169,11 +224,6 @@ def init(
     atexit.register(destroy)
     return World(rank, local_rank, world_size, backend, device)
 
-
-def destroy() -> None:
-    """Leave the process group (safe to call when none exists)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 def sync(device: torch.device | str | None = None) -> None:
     """Wait until ``device`` (default: this rank's) has finished the work queued on it.
@@ -188,6 +238,11 @@ def sync(device: torch.device | str | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+
+def destroy() -> None:
+    """Leave the process group (safe to call when none exists)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world_info() -> dict[str, Any]:
