@@ -77,3 +77,13 @@ def test_spawned_and_torchrun_worlds_agree(world_size, tmp_path):
     assert len(out.outputs) == world_size
     for text in out.outputs.values():
         assert f"backend gloo sum {world_size}" in text
+
+
+def test_sync_waits_for_cuda_and_is_free_on_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(
+        str(device)))
+    ddist.sync("cpu")
+    assert calls == []
+    ddist.sync("cuda:1")
+    assert calls == ["cuda:1"]

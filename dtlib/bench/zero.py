@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtlib.runtime import launch
-from dtlib.runtime.dist import world
+from dtlib.runtime.dist import sync, world
 from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
 
 #: The GPT trained here: small enough for 4 CPU ranks, every size divisible by 4.
@@ -123,6 +123,7 @@ def train_rank(impl: str = "zero", stage: int = 3, model: str = "gpt", steps: in
     times, comm, summary, state = [], 0, [], {}
     for i in range(steps):
         counting = i == 1 or steps == 1
+        sync()  # CUDA: start the clock on an idle device
         t0 = time.perf_counter()
         with count_comms() if counting else nullcontext() as log:
             _loss(wrapped, model, x, y).backward()
@@ -134,6 +135,7 @@ def train_rank(impl: str = "zero", stage: int = 3, model: str = "gpt", steps: in
         if counting:
             comm, summary = zero_comm_elements(log), log.summary()
         else:
+            sync()  # CUDA: the step's kernels have finished, not only been queued
             times.append(time.perf_counter() - t0)
         if i == steps - 1:
             if impl == "zero":

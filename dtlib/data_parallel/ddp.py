@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.runtime.dist import sync
 from dtlib.data_parallel.buckets import Bucket, allreduce_buckets, allreduce_grads, build_buckets
 
 MODES = ("naive", "bucketed", "overlapped")
@@ -80,7 +81,8 @@ class DataParallel(nn.Module):
         group: process group of the data-parallel ranks (default: the whole world).
         timeline: record ``(event, index, time.perf_counter())`` tuples in
             :attr:`events` (forward, each gradient ready, each bucket launched and done)
-            for the timeline figure. Off by default: it adds a clock read per hook.
+            for the timeline figure. Off by default: it adds a clock read per hook
+            (and, on CUDA, a device synchronisation).
 
     Taught in: Chapter 3, "Three DDPs, one on another".
     """
@@ -157,6 +159,10 @@ class DataParallel(nn.Module):
     # ---- during backward -----------------------------------------------------------
     def _mark(self, name: str, index: int) -> None:
         if self._timeline:
+            # On CUDA a hook runs when the kernel is queued, not done: wait for the GPU
+            # (and the communication stream) so the time is when the work finished.
+            # The timeline is a measurement mode; the waits cost overlap.
+            sync()
             self.events.append((name, index, time.perf_counter()))
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
