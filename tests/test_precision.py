@@ -188,3 +188,108 @@ def test_on_gpu_scaler_and_autocast():
     out = P.op_output_dtypes(P.autocast_op_table(lambda: model(idx, idx), "cuda"))
     assert out["_softmax"] == {"fp32"}  # CUDA's fp32 list includes softmax
     assert out["addmm"] == {"bf16"}
+
+
+# ---- the scaler beside GradScaler: several optimizers, misuse, floor, state --------
+
+def _two_optimizer_run(make_scaler, steps: int = 4, inf_at: int = 1) -> list:
+    """Two models, two optimizers, one scaler: step(oa); step(ob); update()."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    ob = torch.optim.SGD(b.parameters(), lr=1e-1)
+    scaler = make_scaler()
+    x = torch.randn(8, 4)
+    for i in range(steps):
+        scaler.scale(a(x).pow(2).mean() + b(x).pow(2).mean()).backward()
+        if i == inf_at:
+            a.weight.grad[0, 0] = float("inf")  # only optimizer a overflows
+        scaler.unscale_(oa)
+        scaler.step(oa)
+        scaler.step(ob)  # unscaled inside step
+        scaler.update()
+        oa.zero_grad()
+        ob.zero_grad()
+    return [p.detach().clone() for p in [*a.parameters(), *b.parameters()]] + \
+        [torch.tensor(scaler.get_scale())]
+
+
+def test_scaler_two_optimizers_equal_grad_scaler():
+    kw = dict(init_scale=1024.0, growth_interval=2)
+    ours = _two_optimizer_run(lambda: DynamicLossScaler(**kw))
+    ref = _two_optimizer_run(lambda: torch.amp.GradScaler("cpu", **kw))
+    for o, r in zip(ours, ref):  # same kernels, same order: bitwise (tolerance 0)
+        torch.testing.assert_close(o, r, rtol=0, atol=0)
+
+
+def test_scaler_refuses_double_step_and_double_unscale():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = DynamicLossScaler()
+    s.scale(p.sum()).backward()
+    s.step(opt)
+    with pytest.raises(RuntimeError, match="step.. has already been called"):
+        s.step(opt)
+    with pytest.raises(RuntimeError, match="after step"):
+        s.unscale_(opt)
+    s.update()
+    s.scale(p.sum()).backward()
+    s.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_.. has already been called"):
+        s.unscale_(opt)
+
+
+def test_scaler_never_reaches_zero():
+    from dtlib.precision.loss_scaling import MIN_SCALE
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = DynamicLossScaler(init_scale=2.0 ** 16)
+    for _ in range(300):  # 300 overflows in a row: 2**16 * 2**-300 would be 0
+        s.scale(p.sum()).backward()
+        p.grad.fill_(float("nan"))
+        assert s.step(opt) is False
+        s.update()
+        opt.zero_grad()
+    assert s.get_scale() == MIN_SCALE > 0
+    s.scale(p.sum()).backward()  # a clean step still works
+    assert s.step(opt) is True
+    assert torch.isfinite(p).all()
+
+
+def test_scaler_state_dict_round_trip_and_grad_scaler_keys():
+    s = DynamicLossScaler(init_scale=256.0, growth_interval=3)
+    s._update_scale(True)
+    s._update_scale(False)
+    t = DynamicLossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict() == {
+        "scale": 128.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+        "growth_interval": 3, "_growth_tracker": 1}
+    g = torch.amp.GradScaler("cpu", init_scale=64.0)
+    t.load_state_dict(g.state_dict())
+    assert t.get_scale() == 64.0
+    with pytest.raises(ValueError, match="scale"):
+        t.load_state_dict({**s.state_dict(), "scale": 0.0})
+
+
+def test_scaler_unscale_does_not_synchronise(monkeypatch):
+    """The inf check stays a device tensor in unscale_; step reads it once."""
+    calls = []
+    for name in ("item", "__bool__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            calls.append(_name)
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    ps = [torch.nn.Parameter(torch.ones(3)) for _ in range(5)]
+    opt = torch.optim.SGD(ps, lr=0.1)
+    s = DynamicLossScaler()
+    s.scale(sum(p.sum() for p in ps)).backward()
+    calls.clear()
+    s.unscale_(opt)
+    assert calls == []
+    s.step(opt)
+    s.update()
+    assert calls == ["item"]
