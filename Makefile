@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # One thread per rank: four gloo ranks on a two-core laptop must not fight over cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: book test venv exercises bench clean
+.PHONY: book test venv exercises bench clean lab
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,17 @@ test: venv
 ## A copy you edited is never overwritten (FORCE=1 overwrites it).
 exercises: venv
 	$(BIN)/python -m dtlib.exercises strip notebooks -o exercises $(if $(FORCE),--force)
+
+## JupyterLab on the learner copies (exercises/), with jupyterlab-myst so the book's
+## directives and prose numbers render. Installs the pinned `lab` extra on first use.
+$(BIN)/.lab-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[book,test,lab]'
+	touch $@
+
+# Trusted, so that jupyterlab-myst evaluates the copies' {eval} roles (they are ours).
+lab: $(BIN)/.lab-installed exercises
+	$(BIN)/jupyter trust exercises/*.ipynb
+	$(BIN)/jupyter lab exercises/
 
 ## Removes build outputs only: exercises/ holds the learner's work and is never removed.
 clean:

@@ -459,3 +459,33 @@ def test_pipeline_step_checker(capsys) -> None:
     assert "Correct" in capsys.readouterr().out
     with pytest.raises(WrongAnswer, match="the first stage \\(rank 0\\) has no gradient"):
         check_pipeline_step(_forward_only_step)
+
+
+# ---- learner copies read well in JupyterLab: glued numbers from the learner's run ----
+
+def test_learner_copy_turns_glue_roles_into_eval_of_the_learners_values() -> None:
+    from dtlib.exercises import lab
+    from dtlib.exercises.strip import GLUE_SETUP
+
+    nb = {"cells": [
+        {"cell_type": "markdown", "metadata": {}, "source": "# Title"},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+         "source": "from myst_nb import glue\nglue('ch9_x', 3.14159, display=False)"},
+        {"cell_type": "markdown", "metadata": {},
+         "source": "It took {glue:text}`ch9_x:.2f` s on {glue:text}`ch9_name`."},
+        {"cell_type": "markdown", "metadata": {},
+         "source": "```{solution-start} ch9-ex\n:class: dropdown\n```"},
+        {"cell_type": "markdown", "metadata": {}, "source": "```{solution-end}\n```"},
+    ], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    out, _ = strip_notebook(nb)
+    sources = [c["source"] for c in out["cells"]]
+    assert sources[1] == GLUE_SETUP  # before the notebook's own glue import
+    assert sources[3] == ('It took {eval}`glued("ch9_x", ".2f")` s on '
+                          '{eval}`glued("ch9_name", "")`.')
+    assert len(sources) == 4  # the empty solution fences are gone
+    # What the kernel evaluates for those roles: the learner's own values.
+    lab.GLUED.clear()
+    assert "run the cells above" in repr(lab.glued("ch9_x", ".2f"))
+    exec(GLUE_SETUP, {})  # noqa: S102
+    exec(sources[2], {})  # noqa: S102
+    assert repr(lab.glued("ch9_x", ".2f")) == "3.14"

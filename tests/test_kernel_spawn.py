@@ -55,3 +55,23 @@ def test_torchrun_cell_that_skips_a_collective_names_waiter_and_finisher(
     assert "failed" not in shown and "died" not in shown
     # The report is the message, not the launcher's frames.
     assert "launch.py" not in shown
+
+
+def test_torchrun_cell_takes_values_in_on_the_magic_line_and_returns_result(
+        no_leftovers: None) -> None:
+    cells = ["%load_ext dtlib",
+             "lr = 0.25",
+             "%%torchrun -n 2 --quiet {lr}\n"
+             "import sys\n"
+             "from dtlib.runtime import dist as ddist\n"
+             "world = ddist.init()\n"
+             "result = {'rank': world.rank, 'lr': float(sys.argv[1])}",
+             "print(torchrun_result.values)",
+             # a kernel variable is not visible in the ranks
+             "%%torchrun -n 2 --quiet\nresult = 'lr' in globals()",
+             "print(torchrun_result.values)"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outputs = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
+    assert outputs[3].strip() == "[{'rank': 0, 'lr': 0.25}, {'rank': 1, 'lr': 0.25}]"
+    assert outputs[5].strip() == "[False, False]"

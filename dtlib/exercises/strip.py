@@ -117,9 +117,53 @@ def strip_source(source: str) -> str:
     return "".join(out)
 
 
+_GLUE_TEXT = re.compile(r"\{glue:text\}`([^`:]+)(?::([^`]*))?`")
+_GLUE_MD = re.compile(r"```\{glue:md\}\s*(\S+)\n(?::[^\n]*\n)*```")
+_SOLUTION_FENCE = re.compile(r"^```\{solution-(start|end)\}[^`]*```\s*$", re.S)
+#: The first code cell of a learner copy whose prose quotes glued numbers.
+GLUE_SETUP = (
+    "# Learner copy: the numbers in the prose come from your own run. JupyterLab with\n"
+    "# jupyterlab-myst shows each once the cell that computes it has run (make lab).\n"
+    "from dtlib.exercises.lab import glued, record_glue\n\n"
+    "record_glue()"
+)
+
+
+def readable_markdown(text: str) -> str:
+    """Markdown for JupyterLab: each glue role becomes an ``{eval}`` of :func:`glued`
+    (see :mod:`dtlib.exercises.lab`), whose value the learner's own run supplies."""
+    text = _GLUE_TEXT.sub(lambda m: '{eval}`glued("%s", "%s")`' % (m[1], m[2] or ""),
+                          text)
+    return _GLUE_MD.sub(lambda m: '{eval}`glued("%s")`' % m[1], text)
+
+
 def strip_notebook(nb: dict) -> tuple[dict, int]:
-    """Strip every code cell of ``nb`` (a notebook as JSON); return it and the count."""
+    """Strip every code cell of ``nb`` (a notebook as JSON); return it and the count.
+
+    Markdown becomes readable in JupyterLab (:func:`readable_markdown`; the book's
+    solution fences, empty once the solution is gone, are dropped).
+    """
     count = 0
+    glue_used = False
+    cells = []
+    for cell in nb.get("cells", []):
+        src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        if cell.get("cell_type") == "markdown":
+            if _SOLUTION_FENCE.match(src.strip()):
+                continue
+            new = readable_markdown(src)
+            glue_used |= new != src
+            cell["source"] = new
+        cells.append(cell)
+    nb["cells"] = cells
+    if glue_used:
+        setup = {"cell_type": "code", "execution_count": None, "metadata": {},
+                 "outputs": [], "source": GLUE_SETUP}
+        if any("id" in c for c in cells):
+            setup["id"] = "learner-glue-setup"
+        first_code = next((i for i, c in enumerate(cells)
+                           if c.get("cell_type") == "code"), len(cells))
+        cells.insert(first_code, setup)
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "code":
             continue

@@ -69,7 +69,8 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
         label: how to name lines of the script in reports ("cell line 7").
         env: extra environment variables for the ranks.
     Returns:
-        A :class:`LaunchResult` (return code 0).
+        A :class:`LaunchResult` (return code 0); ``values[rank]`` is the script's
+        top-level ``result`` variable on that rank (None where it has none).
     Raises:
         LaunchError: a rank failed; names it, its cause and its traceback.
         LaunchTimeout: the run did not finish in time; says where each rank was.
@@ -120,7 +121,7 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
                 error = sup.failure(None, f"torchrun {diagnose.exit_cause(proc.returncode)}"
                                     f":\n{diagnose.tail(''.join(agent_out))}")
             raise error
-        return LaunchResult(0, sup.texts(), time.monotonic() - start)
+        return LaunchResult(0, sup.texts(), time.monotonic() - start, sup.results())
     finally:
         # Runs on success, failure, timeout and KeyboardInterrupt alike.
         kill_tree([proc.pid, *sup.rank_pids().values()])

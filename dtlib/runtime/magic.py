@@ -11,6 +11,12 @@ Load with ``%load_ext dtlib``, then::
 The cell is written to a temporary script and launched by :func:`dtlib.runtime.launch.torchrun`,
 so a reader edits a cell and re-runs it like any other. Line numbers in error reports are
 the cell's own.
+
+What a cell sees: it runs in fresh processes, one per rank, not in the kernel, so the
+notebook's variables do not exist there. Values go in on the magic line, which IPython
+expands: ``%%torchrun -n 2 {lr}`` gives the cell ``sys.argv[1] == str(lr)``. Values come
+out through a top-level variable named ``result``: after the cell,
+``torchrun_result.values[rank]`` holds each rank's (pickled, so plain data and tensors).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ class TorchrunMagics(Magics):
         """Run this cell on ``-n`` ranks under torchrun (``%%torchrun -n 4 --timeout 60``).
 
         The :class:`~dtlib.runtime.launch.LaunchResult` is left in the variable
-        ``torchrun_result`` for the next cell.
+        ``torchrun_result`` for the next cell: ``.outputs`` (each rank's text) and
+        ``.values`` (each rank's top-level ``result`` variable).
 
         Raises LaunchError / LaunchTimeout from :mod:`dtlib.runtime.launch`; the traceback of the
         failing rank, or where each rank hung, is in the message.

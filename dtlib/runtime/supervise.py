@@ -159,6 +159,19 @@ class Supervisor:
                 stacks[r] = f.read()
         return stacks
 
+    def results(self) -> list[Any]:
+        """Each rank's ``result`` variable (see ``worker.record_result``), or None."""
+        import pickle
+
+        values: list[Any] = []
+        for r in range(self.nproc):
+            try:
+                with open(os.path.join(self.log_dir, f"rank{r}.result"), "rb") as f:
+                    values.append(pickle.load(f))
+            except (OSError, EOFError, pickle.UnpicklingError):
+                values.append(None)
+        return values
+
     def finished(self) -> set[int]:
         """Ranks whose program returned normally (see ``worker.record_finish``)."""
         return {r for r in range(self.nproc)

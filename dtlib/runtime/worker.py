@@ -13,6 +13,7 @@
   holds the thread (it runs in the signal handler, not at a bytecode boundary);
 - records an uncaught exception's type, message and frames, so the launcher can name the
   failing rank, its cause and the line it was on without parsing tracebacks;
+- sends back the script's top-level ``result`` variable, if any (``rank{k}.result``);
 - records a normal finish (``rank{k}.done``), so a rank that exited 0 while its peers
   still waited in a collective is reported as "finished", never as "died".
 """
@@ -64,6 +65,23 @@ def record_exception(log_dir: str, rank: int, exc: BaseException) -> None:
         json.dump(info, f)
 
 
+#: A script's top-level variable of this name is sent back to the launcher
+#: (``LaunchResult.values[rank]``; in a notebook, ``torchrun_result.values``).
+RESULT_NAME = "result"
+
+
+def record_result(log_dir: str, rank: int, value: object) -> None:
+    """Pickle this rank's ``result`` for the launcher (its repr if it cannot be)."""
+    import pickle
+
+    try:
+        data = pickle.dumps(value)
+    except Exception:  # a lambda, an open file: the reader still sees what it was
+        data = pickle.dumps(repr(value))
+    with open(os.path.join(log_dir, f"rank{rank}.result"), "wb") as f:
+        f.write(data)
+
+
 def record_finish(log_dir: str, rank: int) -> None:
     """Note that this rank's program returned normally (exit code 0)."""
     with open(os.path.join(log_dir, f"rank{rank}.done"), "w") as f:
@@ -81,11 +99,11 @@ def main(argv: list[str]) -> None:
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            namespace = runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
+            namespace = runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         if log_dir:
             if exc.code not in (None, 0):
@@ -98,6 +116,8 @@ def main(argv: list[str]) -> None:
             record_exception(log_dir, rank, exc)
         raise
     if log_dir:
+        if RESULT_NAME in namespace:
+            record_result(log_dir, rank, namespace[RESULT_NAME])
         record_finish(log_dir, rank)
 
 

@@ -1,0 +1,68 @@
+"""Prose numbers in the learner copies, computed by the learner's own run.
+
+The book's prose quotes measured numbers with MyST-NB's glue roles
+(``{glue:text}`name:.2f```), which only the book build fills in. In JupyterLab they would
+show as raw placeholders, so the learner copies (:mod:`dtlib.exercises.strip`) turn each
+into jupyterlab-myst's inline ``{eval}`` role, ``{eval}`glued("name", ".2f")```. Its
+value comes from the learner's kernel: :func:`record_glue` (the first code cell of every
+learner copy) makes every later ``glue(name, value)`` also remember ``value`` here, and
+:func:`glued` formats it. A number is therefore shown only once the cell that computes
+it has run in this session: never a stale number from somebody else's machine.
+
+Taught in: README, "Working with the notebooks".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: name -> value of every glue() call since :func:`record_glue`.
+GLUED: dict[str, Any] = {}
+
+
+class Shown:
+    """Text that a notebook displays as itself (no quotes), as plain text or Markdown."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_markdown_(self) -> str:
+        return self.text
+
+
+def record_glue() -> None:
+    """Make ``myst_nb.glue`` also store each value in :data:`GLUED` (idempotent).
+
+    Must run before the notebook's ``from myst_nb import glue``.
+    """
+    import myst_nb
+
+    original = myst_nb.glue
+    if getattr(original, "__dtlib_records__", False):
+        return
+
+    def glue(name: str, variable: Any, display: bool = True) -> None:
+        GLUED[name] = variable
+        return original(name, variable, display)
+
+    glue.__dtlib_records__ = True  # type: ignore[attr-defined]
+    myst_nb.glue = glue
+
+
+def glued(name: str, fmt: str = "") -> Shown:
+    """The value glued as ``name``, formatted with ``fmt`` (a format spec, e.g. ".2f").
+
+    Returns:
+        The text to show; a short note when the computing cell has not run yet.
+    """
+    if name not in GLUED:
+        return Shown(f"[{name}: run the cells above]")
+    value = GLUED[name]
+    if hasattr(value, "_repr_markdown_") and not fmt:
+        return Shown(value._repr_markdown_())
+    if hasattr(value, "data") and isinstance(getattr(value, "data"), str) and not fmt:
+        return Shown(value.data)  # an IPython Markdown object
+    return Shown(format(value, fmt) if fmt else str(value))
