@@ -74,6 +74,23 @@ def test_fsdp_crash_and_resume_matches_ddp(runs):
                                rtol=1e-6, atol=0)
 
 
+def test_fp16_crash_and_resume_is_bit_exact(tmp_path):
+    """The loss scaler is part of the state: at a first scale of 2**20 the first steps
+    overflow and back off, so a resume that restarted the scale would skip other
+    steps and end elsewhere."""
+    tmp = str(tmp_path)
+    args = ("--strategy", "ddp", "--precision", "fp16", "--loss-scale", str(2.0 ** 20))
+    straight = _run(tmp, "fp16", *args)
+    ckpt = ("--ckpt-dir", os.path.join(tmp, "ckpt"))
+    _run(tmp, "fp16_crash", *args, *ckpt, "--stop-after", "5")
+    resumed = _run(tmp, "fp16_resume", *args, *ckpt)
+    assert straight["loss_scale"] < 2.0 ** 20  # the scale moved before step 3
+    assert resumed["start_step"] == 3
+    assert resumed["loss_scale"] == straight["loss_scale"]
+    assert resumed["param_sha256"] == straight["param_sha256"]
+    assert resumed["final_loss"] == straight["final_loss"]
+
+
 def test_accumulation_equals_the_large_micro_batch():
     big = main([*BASE, "--micro-batch", "4"])
     accumulated = main([*BASE, "--micro-batch", "2", "--accum-steps", "2"])

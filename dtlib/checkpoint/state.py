@@ -222,8 +222,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any = None,
-                    sampler: ResumableSampler | None = None, epoch: int = 0
-                    ) -> str | None:
+                    sampler: ResumableSampler | None = None, epoch: int = 0,
+                    scaler: Any = None) -> str | None:
     """Save the whole training state after ``step`` steps, atomically.
 
     Model, optimizer and scheduler are replicated (plain data parallelism): rank 0
@@ -235,6 +235,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         ckpt_dir: directory of checkpoints; the file is :func:`checkpoint_path`.
         step: optimizer steps done; epoch: the epoch the step belongs to.
         model, optimizer, scheduler, sampler: the live training objects.
+        scaler: fp16's loss scaler (GradScaler or DynamicLossScaler), if any: its
+            scale and growth tracker are part of the state.
     Returns:
         The path written (rank 0), None on other ranks.
 
@@ -252,6 +254,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
                  "model": _unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict() if scheduler else None,
+                 "scaler": scaler.state_dict() if scaler is not None else None,
                  "per_rank": gathered}
         path = atomic_save(state, checkpoint_path(ckpt_dir, step))
     if dist.is_initialized():
@@ -263,7 +266,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None,
                     sampler: ResumableSampler | None = None,
-                    restore: tuple[str, ...] | set[str] = STATE_KEYS) -> dict[str, int]:
+                    restore: tuple[str, ...] | set[str] = STATE_KEYS,
+                    scaler: Any = None) -> dict[str, int]:
     """Restore a :func:`save_checkpoint` file into live objects (``weights_only``).
 
     Args:
@@ -271,6 +275,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         model, optimizer, scheduler, sampler: objects built as for a fresh run.
         restore: which parts of :data:`STATE_KEYS` to restore (all by default; the
             book restores fewer to show what each one is for).
+        scaler: a loss scaler to restore, if the checkpoint has one.
     Returns:
         ``{"step", "epoch"}`` to continue from.
 
@@ -290,6 +295,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         optimizer.load_state_dict(state["optimizer"])
     if "scheduler" in restore and scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
     mine = state["per_rank"][rank]
     if "sampler" in restore and sampler is not None:
         sampler.load_state_dict(mine["sampler"])

@@ -56,6 +56,7 @@ class TrainConfig:
     stop_after: leave after this many steps of *this* process without a final save,
         as a crash would (0: run to ``steps``).
     summary_json: rank 0 writes the run's losses and a parameter digest here.
+    loss_scale: fp16 only: the loss scaler's first scale (GradScaler's init_scale).
     """
 
     strategy: str = "ddp"
@@ -83,6 +84,7 @@ class TrainConfig:
     log_every: int = 5
     stop_after: int = 0
     summary_json: str | None = None
+    loss_scale: float = 65536.0
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)

@@ -183,12 +183,15 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
     data = SyntheticTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab_size, cfg.seed)
     sampler = ResumableSampler(len(data), rank=world.rank, world_size=ws,
                                seed=cfg.seed)
-    start = resume(cfg, model, opt, sched, sampler)
+    # fp16 needs a loss scaler, bf16 does not (Chapter 7); it is part of the state,
+    # so it exists before resume() restores its scale.
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale) \
+        if cfg.precision == "fp16" else None
+    start = resume(cfg, model, opt, sched, sampler, scaler)
     # Autocast under DDP (fp32 weights, bf16/fp16 matmuls); FSDP's bf16 comes from its
-    # MixedPrecisionPolicy. fp16 needs a loss scaler, bf16 does not (Chapter 7).
+    # MixedPrecisionPolicy.
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     use_autocast = low is not None and cfg.strategy == "ddp"
-    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
     # No padding in this data: the global token count of a step is known up front
     # (Chapter 8 all-reduces it when batches are ragged).
     global_tokens = cfg.tokens_per_micro_batch * cfg.accum_steps * ws
@@ -235,7 +238,7 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
             dist.all_reduce(loss_sum)  # for logging: the global mean loss
         loss = losses[step] = float(loss_sum) / global_tokens
         if cfg.ckpt_dir and (step % cfg.save_every == 0 or step == cfg.steps):
-            save_state(cfg, step, model, opt, sched, sampler)
+            save_state(cfg, step, model, opt, sched, sampler, scaler)
         if step % cfg.log_every == 0 or step == cfg.steps:
             rate = (step - start) * global_tokens / (time.perf_counter() - t0)
             ddist.rprint(f"step {step:5d} | loss {loss:.4f} | lr "
@@ -243,15 +246,18 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
         if cfg.stop_after and step - start >= cfg.stop_after:
             ddist.rprint(f"stopping after step {step} (simulated crash: no final save)")
             break
-    return _summarise(cfg, world, model, start, step, losses, loss)
+    return _summarise(cfg, world, model, start, step, losses, loss,
+                      scaler.get_scale() if scaler else None)
 
 
 def _summarise(cfg: TrainConfig, world: ddist.World, model: nn.Module, start: int,
-               step: int, losses: dict[int, float], loss: float) -> float:
+               step: int, losses: dict[int, float], loss: float,
+               loss_scale: float | None = None) -> float:
     digest, norm = param_digest(model)  # every rank: a collective under FSDP
     summary = {"start_step": start, "end_step": step, "final_loss": loss,
                "losses": losses, "param_sha256": digest, "param_norm": norm,
-               "world_size": world.world_size, "config": asdict(cfg)}
+               "world_size": world.world_size, "loss_scale": loss_scale,
+               "config": asdict(cfg)}
     ddist.rprint(f"done: steps {start}->{step}, final loss {loss:.4f}, "
                  f"params {digest} (norm {norm:.6f})")
     if world.is_main and cfg.summary_json:

@@ -38,7 +38,7 @@ def _latest_dcp(ckpt_dir: str) -> str | None:
 
 
 def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: Any,
-               sampler: ResumableSampler) -> None:
+               sampler: ResumableSampler, scaler: Any = None) -> None:
     """Save after ``step`` steps: one atomic file (DDP) or a DCP directory (FSDP).
 
     Every rank must call it (both formats gather or write on all ranks).
@@ -46,11 +46,12 @@ def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: A
     Args:
         cfg: the run's configuration (strategy, ckpt_dir).
         step: optimizer steps done; model, opt, sched, sampler: the live objects.
+        scaler: fp16's loss scaler, or None.
 
     Taught in: Chapter 10, "Crash and resume".
     """
     if cfg.strategy == "ddp":
-        save_checkpoint(cfg.ckpt_dir, step, model, opt, sched, sampler)
+        save_checkpoint(cfg.ckpt_dir, step, model, opt, sched, sampler, scaler=scaler)
         return
     # FSDP: every rank writes its shards (DCP) and its own sampler/RNG file into a
     # temporary directory; rank 0 renames it once all are done (atomic, like Ch. 9).
@@ -60,7 +61,8 @@ def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: A
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
     rank = dist.get_rank()
     atomic_save({"step": step, "scheduler": sched.state_dict(),
-                 "sampler": sampler.state_dict(), **rng_state()},
+                 "sampler": sampler.state_dict(), **rng_state(),
+                 "scaler": scaler.state_dict() if scaler is not None else None},
                 os.path.join(tmp, f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -69,12 +71,13 @@ def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: A
 
 
 def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
-           sampler: ResumableSampler) -> int:
+           sampler: ResumableSampler, scaler: Any = None) -> int:
     """Load the latest checkpoint in ``cfg.ckpt_dir`` into the live objects, if any.
 
     Args:
         cfg: the run's configuration (strategy, ckpt_dir).
         model, opt, sched, sampler: built as for a fresh run (FSDP: already sharded).
+        scaler: fp16's loss scaler (built before resuming, so its scale resumes too).
     Returns:
         The step to continue from (0 when there is no checkpoint).
 
@@ -84,7 +87,8 @@ def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
         return 0
     if cfg.strategy == "ddp":
         path = latest_checkpoint(cfg.ckpt_dir) if os.path.isdir(cfg.ckpt_dir) else None
-        return load_checkpoint(path, model, opt, sched, sampler)["step"] if path else 0
+        return load_checkpoint(path, model, opt, sched, sampler,
+                               scaler=scaler)["step"] if path else 0
     path = _latest_dcp(cfg.ckpt_dir)
     if path is None:
         return 0
@@ -98,6 +102,8 @@ def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
     sched.load_state_dict(mine["scheduler"])
     sampler.load_state_dict(mine["sampler"])
     set_rng_state(mine)
+    if scaler is not None and mine.get("scaler"):
+        scaler.load_state_dict(mine["scaler"])
     return mine["step"]
 
 
