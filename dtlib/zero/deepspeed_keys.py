@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,10 @@ def installed_keys() -> KeyLists | None:
     """
     if importlib.util.find_spec("deepspeed") is None:
         return None
+    import torch
+
+    if not torch.cuda.is_available():  # say so: DeepSpeed would guess, with a warning
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     from deepspeed.runtime import config as ds_config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

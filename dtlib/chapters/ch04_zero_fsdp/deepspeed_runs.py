@@ -17,6 +17,7 @@ Taught in: Chapter 4, "DeepSpeed, run".
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import torch
@@ -125,7 +126,14 @@ def _deepspeed_grads(engine: Any) -> list[torch.Tensor]:
     return out
 
 
+def _cpu_accelerator_unless_cuda() -> None:
+    """Tell DeepSpeed it runs on the CPU (it would guess so, with a warning)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def _deepspeed(model: nn.Module, stage: int, micro_batch: int) -> Any:
+    _cpu_accelerator_unless_cuda()
     import deepspeed
     import deepspeed.ops
 
