@@ -1,4 +1,4 @@
-"""The DeepSpeed config validator agrees with DeepSpeed on a corpus of 46 configs.
+"""The DeepSpeed config validator agrees with DeepSpeed on a corpus of 48 configs.
 
 ``dtlib.zero.deepspeed_config`` and DeepSpeed's own ``DeepSpeedConfig`` judge the same
 configs (valid ones, typos, batch mismatches, removed features, offload at each stage).
