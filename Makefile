@@ -52,3 +52,11 @@ lab: $(BIN)/.lab-installed exercises
 ## Removes build outputs only: exercises/ holds the learner's work and is never removed.
 clean:
 	rm -rf _build
+
+## The GPU suite (one line per check, under 8 minutes): chapters 0, 2, 3, 4, 6 and the
+## capstone on NCCL with one rank per GPU, busbw, matmul share of peak, memory vs plan.
+## Uses .venv when it exists, else $(PYTHON): a CUDA build of torch must be installed.
+## Without CUDA it prints one line saying so and exits 0.
+.PHONY: gpu-check
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m dtlib.bench gpu

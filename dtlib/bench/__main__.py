@@ -26,12 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(p)
         p.add_argument("--json", metavar="PATH", help="also write the records as JSON")
     args = parser.parse_args(argv)
-    records = modules[args.name].run(args)
-    print(format_table(records))
+    module = modules[args.name]
+    records = module.run(args)
+    if not getattr(module, "PRINTS_LINES", False):  # the GPU suite prints its own
+        print(format_table(records))
     if args.json:
         write_json(records, args.json)
         print(f"wrote {len(records)} records to {args.json}")
-    return 0
+    return getattr(module, "exit_status", lambda _: 0)(records)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,299 @@
+"""The GPU suite: ``python -m dtlib.bench gpu`` (``make gpu-check``), a line per check.
+
+On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
+
+- chapters 0, 2, 3, 4, 6 and the capstone, each compared with one process (or, for
+  chapter 2's primitives, with the same ranks on gloo), as the CPU tests do;
+- ``collectives``: bus bandwidth of ``all_reduce`` (nccl-tests' busbw = algbw x
+  2(n-1)/n) and the from-scratch ring's share of it;
+- ``matmul``: bf16, fp16 and tf32 TFLOP/s at 4096-16384 as a share of the device's
+  dense peak (a table of datasheet numbers; an unknown device prints the TFLOP/s only);
+- ``memory``: the caching allocator's peak for one GPT training step against the
+  chapter 1 planner (:func:`dtlib.memory.formulas.estimate`).
+
+A machine without CUDA gets one line saying so and exit status 0: nothing is claimed.
+The whole suite keeps to ``--budget`` seconds (default 480): a check that would start
+after it is reported as SKIP. Exit status 1 when any check fails.
+
+Taught in: the README's "On GPUs" section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from dtlib.runtime import launch
+from dtlib.runtime.dist import world
+
+#: Printed lines instead of a table (read by ``python -m dtlib.bench``).
+PRINTS_LINES = True
+CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "capstone", "collectives", "matmul",
+          "memory")
+#: Dense datasheet peaks in TFLOP/s: (bf16, fp16, tf32), matched on the device name.
+PEAKS = (("H100 PCIe", (756.0, 756.0, 378.0)), ("H100", (989.4, 989.4, 494.7)),
+         ("H200", (989.4, 989.4, 494.7)), ("GH200", (989.4, 989.4, 494.7)),
+         ("B200", (2250.0, 2250.0, 1100.0)), ("A100", (312.0, 312.0, 156.0)),
+         ("L40S", (362.1, 362.1, 183.0)), ("L4", (121.0, 121.0, 60.0)),
+         ("A10", (125.0, 125.0, 62.5)))
+#: Tolerances against one process on another device (summation order only, fp32).
+LOSS_ATOL, GRAD_ATOL = 1e-4, 1e-5
+#: The backend chapters 0 and 2 must have run on (a test of the suite sets "gloo").
+EXPECT_BACKEND = "nccl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m dtlib.bench gpu``."""
+    parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS),
+                        help="run these checks only")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds for the whole suite (default 480)")
+
+
+def peak_tflops(name: str) -> tuple[float, float, float] | None:
+    """Dense (bf16, fp16, tf32) peak TFLOP/s of the device called ``name``."""
+    for key, peaks in PEAKS:
+        if key in name:
+            return peaks
+    return None
+
+
+# ---- rank functions (run by spawn on every GPU) -------------------------------------
+
+def hello_rank() -> dict[str, Any]:
+    """Chapter 0: one all-reduce of rank + 1; the backend and device each rank used."""
+    w = world()
+    t = torch.tensor([w.rank + 1.0], device=w.device)
+    dist.all_reduce(t)
+    return {"backend": w.backend, "device": str(w.device), "sum": t.item()}
+
+
+def collectives_rank() -> dict[str, Any]:
+    """Chapter 2: every primitive's before/after and the ring's trace (no timings)."""
+    from dtlib.chapters.ch02_collectives.runs import primitive_states, ring_trace_states
+
+    states = primitive_states()
+    states.pop("barrier")  # times, not values
+    return {"states": states, "ring": ring_trace_states(), "backend": world().backend}
+
+
+def ddp_rank(steps: int) -> dict[str, Any]:
+    """Chapter 3: every DDP variant's losses, step-0 gradients and final parameters."""
+    from dtlib.chapters.ch03_data_parallel.runs import TINY, VARIANTS, train_replica
+
+    return {v: train_replica(TINY, v, 2, steps) for v in VARIANTS}
+
+
+def zero_rank() -> dict[str, float]:
+    """Chapter 4: ZeRO 1-3 and FSDP2, largest parameter error against one process."""
+    from dtlib.bench.zero import train_rank
+
+    runs = [("zero", 1), ("zero", 2), ("zero", 3), ("fsdp2", 3)]
+    return {f"{impl}{stage}": train_rank(impl, stage, "gpt", steps=5)["max_abs_err"]
+            for impl, stage in runs}
+
+
+def pipeline_rank() -> dict[str, Any]:
+    """Chapter 6: teaching GPipe/1F1B and torch's 1F1B against one process."""
+    from dtlib.chapters.ch06_pipeline_parallel.runs import PP_GPT, compare_all
+
+    m = 2 * dist.get_world_size()
+    out = compare_all(PP_GPT, batch=2 * m, n_microbatches=m, steps=3,
+                      impls=("teaching-gpipe", "teaching-1f1b", "torch-1f1b"))
+    out.pop("ref_losses")
+    return {k: {d: v[d] for d in ("loss_diff", "grad_diff", "param_diff")}
+            for k, v in out.items()}
+
+
+# ---- the checks: each returns (ok, detail) -------------------------------------------
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].cpu() - b[k].cpu()).abs().max()) for k in b)
+
+
+def check_ch0(n: int, timeout: float) -> tuple[bool, str]:
+    res = launch.spawn(hello_rank, n, timeout=timeout, stream=False)
+    want = n * (n + 1) / 2
+    ok = all(r["sum"] == want and r["backend"] == EXPECT_BACKEND for r in res)
+    return ok, (f"{n} ranks, backends {sorted({r['backend'] for r in res})}, "
+                f"devices {[r['device'] for r in res]}, all_reduce sum "
+                f"{res[0]['sum']:.0f} (want {want:.0f})")
+
+
+def check_ch2(n: int, timeout: float) -> tuple[bool, str]:
+    nccl = launch.spawn(collectives_rank, n, timeout=timeout, stream=False)
+    gloo = launch.spawn(collectives_rank, n, timeout=timeout, stream=False,
+                        backend="gloo")
+    same = [r["states"] == g["states"] and r["ring"] == g["ring"]
+            for r, g in zip(nccl, gloo)]
+    ok = all(same) and nccl[0]["backend"] == EXPECT_BACKEND
+    return ok, (f"{len(nccl[0]['states'])} primitives and the ring on {n} NCCL ranks "
+                f"{'equal' if all(same) else 'DIFFERENT from'} the same on gloo")
+
+
+def check_ch3(n: int, timeout: float) -> tuple[bool, str]:
+    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_training
+
+    steps, lr = 3, 1e-3
+    ref = reference_training(TINY, 2 * n, steps)
+    res = launch.spawn(ddp_rank, n, steps, timeout=timeout, stream=False)
+    worst: dict[str, float] = {}
+    ok = True
+    for variant in res[0]:
+        runs = [r[variant] for r in res]
+        loss = max(abs(sum(r["losses"][k] for r in runs) / n - ref["losses"][k])
+                   for k in range(steps))
+        grad = max(_max_diff(r["grads"], ref["grads"]) for r in runs)
+        param = max(_max_diff(r["params"], ref["params"]) for r in runs)
+        worst[variant] = param
+        ok &= loss <= LOSS_ATOL and grad <= GRAD_ATOL and param <= lr
+    return ok, ("DDP variants vs one process, max |param diff|: "
+                + ", ".join(f"{v} {d:.1e}" for v, d in worst.items()))
+
+
+def check_ch4(n: int, timeout: float) -> tuple[bool, str]:
+    res = launch.spawn(zero_rank, n, timeout=timeout, stream=False)
+    worst = {k: max(r[k] for r in res) for k in res[0]}
+    ok = all(v <= 1e-4 for v in worst.values())  # the CPU tests' bound (fp32)
+    return ok, ("vs one process, max |param diff|: "
+                + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
+def check_ch6(n: int, timeout: float) -> tuple[bool, str]:
+    res = launch.spawn(pipeline_rank, n, timeout=timeout, stream=False)
+    worst = {k: {d: max(r[k][d] for r in res) for d in res[0][k]} for k in res[0]}
+    ok = all(w["loss_diff"] <= LOSS_ATOL and w["grad_diff"] <= GRAD_ATOL
+             and w["param_diff"] <= 1e-2 for w in worst.values())
+    return ok, (f"{n} stages vs one process: "
+                + ", ".join(f"{k} loss {w['loss_diff']:.1e} grad {w['grad_diff']:.1e}"
+                            for k, w in worst.items()))
+
+
+def check_capstone(n: int, timeout: float) -> tuple[bool, str]:
+    base = ["--steps", "6", "--micro-batch", "2", "--dataset-size", "256",
+            "--log-every", "6"]
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(nproc: int, *extra: str) -> float:
+            out = os.path.join(tmp, f"{nproc}.json")
+            launch.torchrun("dtlib.train", *base, *extra, "--summary-json", out,
+                            module=True, nproc=nproc, timeout=timeout, stream=False)
+            with open(out) as f:
+                return float(json.load(f)["final_loss"])
+
+        many = run(n)
+        one = run(1, "--accum-steps", str(n))  # same global batch on one GPU
+    ok = abs(many - one) <= 1e-4 * max(1.0, abs(one))
+    return ok, (f"final loss {n} ranks {many:.6f} vs 1 rank x {n} micro-batches "
+                f"{one:.6f}")
+
+
+def check_collectives(n: int, timeout: float) -> tuple[bool, str]:
+    from dtlib.bench.collectives import time_collectives
+
+    if n < 2:
+        return True, "SKIP: one GPU, no link to measure"
+    rec = launch.spawn(time_collectives, n, [256 * 2**20], ["all_reduce"], 1.0,
+                       timeout=timeout, stream=False)[0]
+    bw = {r["impl"]: r["busbw_GBps"] for r in rec}
+    return bw["torch"] > 0, (f"all_reduce 256 MiB on {n} GPUs: busbw {bw['torch']:.1f} "
+                             f"GB/s (nccl-tests definition); the ring from send/recv "
+                             f"{bw['ring']:.1f} GB/s = {bw['ring'] / bw['torch']:.0%}")
+
+
+def check_matmul(n: int, timeout: float) -> tuple[bool, str]:
+    from dtlib.bench.matmul import time_matmul
+
+    device = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(device)
+    peaks = peak_tflops(name)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    parts = []
+    try:
+        for k, (label, dtype) in enumerate((("bf16", torch.bfloat16),
+                                            ("fp16", torch.float16),
+                                            ("tf32", torch.float32))):
+            torch.backends.cuda.matmul.allow_tf32 = label == "tf32"
+            best = max((2 * s ** 3 / time_matmul(s, dtype, device, 3, 10, 3) / 1e12, s)
+                       for s in (4096, 8192, 16384))
+            share = f" = {best[0] / peaks[k]:.0%} of {peaks[k]:.0f}" if peaks else ""
+            parts.append(f"{label} {best[0]:.0f} TFLOP/s at {best[1]}{share}")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    return True, f"{name}: " + "; ".join(parts) + ("" if peaks else " (peak unknown)")
+
+
+def check_memory(n: int, timeout: float) -> tuple[bool, str]:
+    from dtlib.memory.formulas import TrainingConfig, estimate
+    from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+    from dtlib.runtime.dist import memory_stats
+
+    cfg = GPTConfig(vocab_size=8192, seq_len=1024, n_layers=12, hidden=768,
+                    n_heads=12)
+    batch, device = 4, torch.device("cuda", 0)
+    model = build_gpt(cfg, seed=0).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx, tgt = token_batch(cfg, batch, seed=0, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model(idx, tgt)[1].backward()
+    opt.step()
+    torch.cuda.synchronize(device)
+    stats = memory_stats(device)
+    plan = estimate(TrainingConfig(cfg.n_layers, cfg.hidden, cfg.n_heads,
+                                   vocab=cfg.vocab_size, seq_len=cfg.seq_len,
+                                   micro_batch=batch, precision="fp32",
+                                   n_params=n_params))
+    states = stats.current_bytes / plan.model_states  # params + grads + Adam now
+    peak = stats.peak_bytes / plan.total
+    del model, opt
+    torch.cuda.empty_cache()
+    ok = 0.9 <= states <= 1.1 and 0.5 <= peak <= 1.5
+    return ok, (f"GPT {n_params / 1e6:.0f}M fp32 AdamW b={batch} s={cfg.seq_len}: "
+                f"allocated after step / planner model states = {states:.2f}, "
+                f"allocator peak / planner total = {peak:.2f} "
+                f"({stats.peak_bytes / 2**30:.2f} vs {plan.total / 2**30:.2f} GiB)")
+
+
+RUNNERS: dict[str, Callable[[int, float], tuple[bool, str]]] = {
+    "ch0": check_ch0, "ch2": check_ch2, "ch3": check_ch3, "ch4": check_ch4,
+    "ch6": check_ch6, "capstone": check_capstone, "collectives": check_collectives,
+    "matmul": check_matmul, "memory": check_memory}
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the suite; one printed line and one record per check."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print(f"gpu-check: no CUDA device on this machine (torch {torch.__version__}); "
+              "nothing checked, nothing claimed", flush=True)
+        return []
+    n = torch.cuda.device_count()
+    start, records = time.monotonic(), []
+    for name in args.only:
+        left = args.budget - (time.monotonic() - start)
+        if left < 20:
+            ok, detail, status = True, "out of the time budget", "SKIP"
+        else:
+            try:
+                ok, detail = RUNNERS[name](n, min(left, 240.0))
+                status = "SKIP" if detail.startswith("SKIP") else \
+                    ("PASS" if ok else "FAIL")
+            except Exception as exc:  # one broken check must not hide the others
+                ok, status = False, "FAIL"
+                detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        print(f"{status}  {name:<12} {detail}", flush=True)
+        records.append({"check": name, "status": status, "detail": detail,
+                        "seconds": round(time.monotonic() - start, 1)})
+    return records
+
+
+def exit_status(records: list[dict[str, Any]]) -> int:
+    """1 when any check failed, else 0 (read by ``python -m dtlib.bench``)."""
+    return int(any(r["status"] == "FAIL" for r in records))
