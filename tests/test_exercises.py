@@ -489,3 +489,24 @@ def test_learner_copy_turns_glue_roles_into_eval_of_the_learners_values() -> Non
     exec(GLUE_SETUP, {})  # noqa: S102
     exec(sources[2], {})  # noqa: S102
     assert repr(lab.glued("ch9_x", ".2f")) == "3.14"
+
+
+def _global_scale(local_tokens):
+    total = torch.tensor(float(sum(local_tokens)))
+    dist.all_reduce(total)
+    return dist.get_world_size() / total.item()
+
+
+def _local_scale(local_tokens):
+    return 1 / sum(local_tokens)
+
+
+def test_loss_scale_on_ranks_checker(capsys) -> None:
+    from dtlib.exercises.accumulation import check_loss_scale_on_ranks
+
+    check_loss_scale_on_ranks(_global_scale)
+    assert "Correct" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="rank 0, token counts \\[\\[30, 12, 50\\]"
+                                          ", \\[41, 7, 20\\]\\]: you gave") as info:
+        check_loss_scale_on_ranks(_local_scale, world_sizes=(2,))
+    assert "dist.all_reduce" in info.value.hint

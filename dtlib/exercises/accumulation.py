@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from dtlib.exercises import WrongAnswer, checker, passed
+from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
 
 #: Token counts per rank, per micro-batch: ``cases[i][rank][k]``.
 SCALE_CASES: tuple[tuple[tuple[int, ...], ...], ...] = (
@@ -79,3 +79,68 @@ def check_allreduce_calls(calls: Callable[[int, int, bool], int]) -> None:
                 f"no_sync={no_sync}: you said {got}, a rank issues {want}. "
                 f"Hint: {hint}.")
     passed("no_sync cuts the gradient all-reduces per step by a factor accum_steps")
+
+
+# ---- build it: the normaliser, computed by the ranks themselves ----------------------
+
+def _scale_on_rank(scale: Callable[[list[int]], float],
+                   cases: tuple[tuple[tuple[int, ...], ...], ...]) -> list[Any]:
+    """On every rank: the learner's factor for this rank's token counts, per case,
+    and the collectives it issued."""
+    import torch.distributed as dist
+
+    from dtlib.exercises.collectives import watch_comms
+
+    rank, out = dist.get_rank(), []
+    for case in cases:
+        with watch_comms() as log:
+            got = scale(list(case[rank]))
+        out.append((got.item() if hasattr(got, "item") else got,
+                    [kind for kind, _, _ in log]))
+    return out
+
+
+@checker
+def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
+                              world_sizes: tuple[int, ...] = (2, 4)) -> None:
+    """Check ``scale(local_token_counts) -> float`` on real ranks.
+
+    Each rank passes the real-token counts of its own micro-batches (this optimizer
+    step) and gets the factor it multiplies each micro-batch's *summed* token loss by,
+    so that after DDP averages the gradients they equal the large batch's mean loss.
+    A rank does not know the others' counts: it must ask them (one all-reduce).
+    """
+    for n in world_sizes:
+        cases = tuple(c for c in SCALE_CASES if len(c) == n) + (
+            tuple(tuple(7 * r + k + 1 for k in range(3)) for r in range(n)),)
+        ranks = run_on_ranks(_scale_on_rank, scale, n, cases,
+                             what="your normaliser")
+        for i, case in enumerate(cases):
+            counts = [list(c) for c in case]
+            want = _scale_truth(counts)
+            for rank in range(n):
+                got, comms = ranks[rank][i]
+                where = f"world_size={n}, rank {rank}, token counts {counts}"
+                if isinstance(got, bool) or not isinstance(got, (int, float)):
+                    raise WrongAnswer(f"{where}: expected a number, got {got!r}")
+                if math.isclose(got, want, rel_tol=1e-6):
+                    if comms.count("all_reduce") > 1 or set(comms) - {"all_reduce"}:
+                        raise WrongAnswer(f"{where}: right, but it issues {comms}; "
+                                          "one all-reduce of one number is enough.")
+                    continue
+                total, local = sum(map(sum, counts)), sum(counts[rank])
+                if not comms:
+                    hint = ("this rank only knows its own tokens; the normaliser needs "
+                            "every rank's: sum them with one dist.all_reduce")
+                elif local and math.isclose(got, 1 / local, rel_tol=1e-6):
+                    hint = ("that is this rank's own count: DDP would average per-rank "
+                            "means; all-reduce the count first")
+                elif math.isclose(got, 1 / total, rel_tol=1e-6):
+                    hint = ("DDP *averages* the ranks' gradients (divides by "
+                            "world_size); multiply that back")
+                else:
+                    hint = "count every real token of every rank's micro-batches"
+                side = "too large" if got > want else "too small"
+                raise WrongAnswer(f"{where}: you gave {got!r}, {side}.", hint)
+    passed(f"every rank computes world_size / (global token count) with one "
+           f"all-reduce, on {list(world_sizes)} ranks")
