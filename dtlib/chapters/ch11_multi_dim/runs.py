@@ -28,6 +28,7 @@ from dtlib.models.reference import reference_gpt_run
 from dtlib.models.sizes import size
 from dtlib.parallel_nd import (average_across_replicas, build_grid_groups, data_shard,
                                fsdp_tp, hsdp, pipeline_stage_of, tp_inside_dp)
+from dtlib.tensor_parallel.gpt import tensor_parallelize
 from dtlib.pipeline_parallel.schedules import pipeline_step
 from dtlib.runtime import dist as ddist
 from dtlib.tensor_parallel.gpt import full_tensors
@@ -152,9 +153,35 @@ def train_pp_dp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
 
     Taught in: Chapter 11, "Pipeline inside, data parallel across".
     """
+    return train_3d(dp, pp, 1, cfg, batch, n_microbatches, steps, lr, seed)
+
+
+def train_3d(dp: int, pp: int, tp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
+             n_microbatches: int = 2, steps: int = 3, lr: float = 1e-3,
+             seed: int = 0) -> dict[str, Any]:
+    """One rank of dp x pp x tp training (ours): Megatron layers inside each
+    pipeline stage, 1F1B across the stages, gradients averaged across replicas.
+
+    The grid is ``arange(world).view(dp, pp, tp)``; the model is made tensor
+    parallel first and then cut into stages (a stage shares the model's modules).
+
+    Returns:
+        As :func:`train_pp_dp`, with this stage's tensors gathered to full size.
+
+    Taught in: Chapter 11, "Three dimensions".
+    """
     world = ddist.world()
-    grid = build_grid_groups(("dp", "pp"), (dp, pp))
-    stage = pipeline_stage_of(build_gpt(cfg, seed).to(world.device), grid)
+    grid = build_grid_groups(("dp", "pp", "tp"), (dp, pp, tp))
+    model = build_gpt(cfg, seed).to(world.device)
+    if tp > 1:
+        tensor_parallelize(model, grid.groups["tp"])
+    stage = pipeline_stage_of(model, grid)
+    mine = {n for n, _ in stage.named_parameters()}
+
+    def full(grads: bool) -> dict[str, torch.Tensor]:
+        every = full_tensors(model, group=grid.groups["tp"], grads=grads)
+        return {n: t for n, t in every.items() if n in mine}
+
     opt = torch.optim.AdamW(stage.parameters(), lr=lr)
     shape = (batch // dp // n_microbatches, cfg.seq_len, cfg.hidden)
 
@@ -174,14 +201,13 @@ def train_pp_dp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
             average_across_replicas(stage, grid)
         if step == 0:
             out["comms"] = _records(log)
-            out["grads"] = {n: p.grad.detach().cpu().clone()
-                            for n, p in stage.named_parameters()}
+            out["grads"] = full(grads=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = torch.tensor(res.loss, device=world.device)
-        dist.all_reduce(mean)  # every replica's loss, each counted pp times
+        dist.all_reduce(mean)  # every replica's loss, each counted pp * tp times
         out["losses"].append(mean.item() / world.world_size)
-    out["params"] = {n: p.detach().cpu().clone() for n, p in stage.named_parameters()}
+    out["params"] = full(grads=False)
     return out
 
 
