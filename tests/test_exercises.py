@@ -510,3 +510,30 @@ def test_loss_scale_on_ranks_checker(capsys) -> None:
                                           ", \\[41, 7, 20\\]\\]: you gave") as info:
         check_loss_scale_on_ranks(_local_scale, world_sizes=(2,))
     assert "dist.all_reduce" in info.value.hint
+
+
+def _scaler_step(grads, scale, tracker, interval, agree=True):
+    found = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0])
+    if agree:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    for g in grads:
+        g.div_(scale)
+    if found.item():
+        return True, scale * 0.5, 0
+    tracker += 1
+    if tracker == interval:
+        return False, scale * 2.0, 0
+    return False, scale, tracker
+
+
+def _local_scaler_step(grads, scale, tracker, interval):
+    return _scaler_step(grads, scale, tracker, interval, agree=False)
+
+
+def test_scaler_step_checker(capsys) -> None:
+    from dtlib.exercises.precision import check_scaler_step
+
+    check_scaler_step(_scaler_step)
+    assert "Correct" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="step 2 .*the ranks disagree"):
+        check_scaler_step(_local_scaler_step)
