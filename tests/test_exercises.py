@@ -537,3 +537,36 @@ def test_scaler_step_checker(capsys) -> None:
     assert "Correct" in capsys.readouterr().out
     with pytest.raises(WrongAnswer, match="step 2 .*the ranks disagree"):
         check_scaler_step(_local_scaler_step)
+
+
+def test_every_untouched_exercise_in_the_learner_copies_says_not_attempted(
+        monkeypatch, capsys) -> None:
+    """Run each stripped exercise cell as a learner would, untouched: every one says
+    "not attempted yet", none raises, none starts a rank."""
+    import linecache
+    from pathlib import Path
+
+    from dtlib.runtime import launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a checker started ranks for an untouched exercise")
+
+    monkeypatch.setattr(launch, "spawn", no_launch)
+    checked = 0
+    for path in sorted(Path("notebooks").glob("*.ipynb")):
+        nb, count = strip_notebook(json.loads(path.read_text()))
+        namespace = {"torch": torch, "dist": dist}
+        for k, cell in enumerate(nb["cells"]):
+            src = cell["source"]
+            stub = "raise NotImplementedError" in src or " = ...\n" in src
+            if cell["cell_type"] != "code" or not stub or "check" not in src:
+                continue
+            # What IPython does for a cell: its text in linecache, so that
+            # inspect.getsource (and so the stub detection) works.
+            name = f"<{path.stem} cell {k}>"
+            linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+            exec(compile(src, name, "exec"), namespace)  # noqa: S102
+            out = capsys.readouterr().out
+            assert "Not attempted yet" in out, (path.name, k, out)
+            checked += 1
+    assert checked >= 20
