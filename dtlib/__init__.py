@@ -3,7 +3,8 @@
 The packages follow the book (see the README's layout section for the import rule):
 ``runtime`` (the world, launching), ``models``, ``memory``, ``collectives``,
 ``data_parallel``, ``zero``, ``tensor_parallel``, ``pipeline_parallel``, ``precision``,
-``accumulation``, ``checkpoint``, ``train``; ``chapters`` holds what each page runs;
+``accumulation``, ``checkpoint``, ``train``, ``parallel_nd`` and ``planner`` (several
+dimensions at once, and choosing them); ``chapters`` holds what each page runs;
 ``exercises`` checks the learner; ``bench`` measures.
 
 Nothing is imported here, so ``import dtlib`` stays cheap for every rank a launch starts.
