@@ -176,8 +176,9 @@ def test_table2_zero3_falls_with_gpus_at_fixed_batch():
 
 def llama(row) -> tuple[ModelSpec, ClusterSpec, ParallelConfig]:
     model = ModelSpec(seq_len=row.seq_len, **pub.LLAMA3_405B)
-    # Dubey et al. 2024 §3.3.2: FSDP shards optimizer states and gradients (ZeRO-2)
-    # and no activation checkpointing at 8K; FlashAttention does not store scores,
+    # Dubey et al. 2024 §3.3.2: FSDP shards optimizer state and gradients and does
+    # not reshard the parameters after forward, so a GPU holds what ZeRO-2 holds;
+    # no activation checkpointing at 8K; FlashAttention does not store the scores,
     # which is what "selective" models.
     config = ParallelConfig(dp=row.dp, tp=row.tp, pp=row.pp, cp=row.cp,
                             zero_stage=2, recompute="selective")

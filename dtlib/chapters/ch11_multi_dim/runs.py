@@ -324,7 +324,8 @@ def table2_rows() -> list[dict[str, Any]]:
 
 def llama_rows() -> list[dict[str, Any]]:
     """Dubey et al. 2024, Table 4 (Llama 3 405B) beside the planner: the published
-    configuration (ZeRO-2-like FSDP, FlashAttention modelled as "selective"), and
+    configuration (FSDP without resharding after forward, i.e. ZeRO-2's memory;
+    FlashAttention modelled as "selective"), and
     the planner's best for the same GPUs, sequence and batch.
 
     Taught in: Chapter 11, "The planner against Llama 3".
