@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 # One thread per rank: four gloo ranks on a two-core laptop must not fight over cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: book test venv exercises bench clean lab
+.PHONY: book test check-book venv exercises bench clean lab
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ book: venv
 test: venv
 	$(BIN)/python -m pytest --durations=15 \
 	    --nbval-lax --nbval-current-env --nbval-cell-timeout=240 tests notebooks
+
+## The built book as a reader sees it: every page in headless Chromium, offline
+## (tables, typeset math, no CDN asset, no inf/nan, no library frames, alt text);
+## screenshots of each chapter go to _build/screenshots/. Needs `make book` first.
+check-book: venv
+	DTLIB_REQUIRE_BOOK=1 $(BIN)/python -m pytest -v tests/rendered
 
 ## Learner notebooks: every solution replaced by `raise NotImplementedError`.
 ## A copy you edited is never overwritten (FORCE=1 overwrites it).

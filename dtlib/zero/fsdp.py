@@ -109,8 +109,10 @@ DEEPSPEED_TO_FSDP: list[dict[str, str]] = [
     {"DeepSpeed": "zero_optimization.stage = 3",
      "FSDP2": "fully_shard(block) for each block, then fully_shard(model)"},
     {"DeepSpeed": "zero_optimization.stage = 2",
-     "FSDP2": "fully_shard(..., reshard_after_forward=False) (parameters kept "
-              "gathered from forward to backward; FSDP1: SHARD_GRAD_OP)"},
+     "FSDP2": "closest: fully_shard(..., reshard_after_forward=False) (FSDP1: "
+              "SHARD_GRAD_OP); parameters stay gathered from forward to backward, "
+              "but FSDP2 still frees them after backward and all-gathers them again "
+              "every step, while ZeRO-2 keeps full parameters on every rank"},
     {"DeepSpeed": "zero_optimization.stage = 1",
      "FSDP2": "no exact match; torch's ZeroRedundancyOptimizer shards optimizer "
               "states"},

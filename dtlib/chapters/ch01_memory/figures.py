@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import io
 from dataclasses import replace
+from typing import Any
 
 from dtlib.memory.formulas import GB, TrainingConfig, estimate
 
@@ -99,7 +100,7 @@ def plot_memory(cfg: TrainingConfig, device_gb: float = 80.0, ax=None,
                   f"{cfg.micro_batch}, s={cfg.seq_len}, recompute={cfg.recompute}, "
                   f"{cfg.precision}")
     ax.set_ylim(0, max(max(bottom), device_gb) * 1.15)
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(loc="upper right", fontsize=9)
     if title is None:
         fit = [s for s, e in zip(stages, ests) if e.fits(device_gb)]
         title = (f"{cfg.params / 1e9:.1f}B params: fits {device_gb:g} GB from ZeRO-"
@@ -179,3 +180,34 @@ def planner(preset: str = "GPT-3 6.7B", device_gb: float = 80.0):
                            w.VBox([c["recompute"], c["precision"],
                                    c["sequence_parallel"]])]),
                    out])
+
+
+def preset_table(configs: dict[str, TrainingConfig], device_gb: float = 80.0) -> Any:
+    """Per-device memory of several configurations at every ZeRO stage, as a table:
+    the static stand-in for :func:`planner` where no kernel runs (the built book).
+
+    Args:
+        configs: a label per configuration (see :func:`preset_config`).
+        device_gb: device memory in GB (1e9 bytes), for the "fits" column.
+    Returns:
+        A :class:`dtlib.chapters.tables.Table` (HTML in the book, text when printed).
+
+    Taught in: Chapter 1, the planner.
+    """
+    from dtlib.chapters.tables import Table
+
+    if not configs:
+        raise ValueError("configs is empty: give at least one labelled TrainingConfig")
+    rows = []
+    for label, cfg in configs.items():
+        totals = [estimate(replace(cfg, zero_stage=s)) for s in range(4)]
+        fit = [s for s, e in enumerate(totals) if e.fits(device_gb)]
+        row = {"configuration": label,
+               "params": f"{cfg.params / 1e9:.1f}B",
+               "activations GB": f"{totals[0].activations / GB:.1f}"}
+        for s, e in enumerate(totals):
+            row[f"ZeRO-{s} GB" if s else "DP GB"] = f"{e.total / GB:.1f}"
+        row[f"fits {device_gb:g} GB"] = (f"from ZeRO-{fit[0]}" if fit and fit[0]
+                                        else "with DP" if fit else "no")
+        rows.append(row)
+    return Table(rows)

@@ -26,19 +26,20 @@ def _draw_rows(ax: Any, rows: list[list[int] | None], title: str, timing: bool,
         y = len(rows) - 1 - rank
         if row is None:
             ax.text(0, y, "(no buffer)", va="center", ha="left", color="0.5",
-                    fontsize=8)
+                    fontsize=9)
             continue
         for j, v in enumerate(row):
             color = "0.85" if timing or v >= 100 * len(rows) else cmap(v // 100)
             ax.add_patch(plt.Rectangle((j - 0.5, y - 0.4), 1, 0.8, color=color,
                                        alpha=0.6 if not timing else 1.0))
             ax.text(j, y, f"{v}" + (" ms" if timing else ""), ha="center",
-                    va="center", fontsize=7)
+                    va="center", fontsize=9)
     ax.set_xlim(-0.6, width - 0.4)
     ax.set_ylim(-0.6, len(rows) - 0.4)
-    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in reversed(range(len(rows)))])
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in reversed(range(len(rows)))],
+                  fontsize=9)
     ax.set_xticks([])
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10, loc="left")
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
 
@@ -76,14 +77,16 @@ def plot_primitive(states: list[dict], name: str) -> Any:
     before = [s[name][0] for s in states]
     after = [s[name][1] for s in states]
     width = max(len(r) for r in before + after if r)
-    fig, axes = plt.subplots(1, 2, figsize=(min(14, 3 + 1.1 * width), 0.5 * len(states)
-                                            + 1.4), sharey=True)
+    # Before above after, never wider than the page (7 in at 100 dpi = 700 px, shown
+    # at 1:1): 9 pt text stays 9 pt for the reader, even with 16 elements per rank.
+    fig, axes = plt.subplots(2, 1, figsize=(min(7.0, 2.2 + 0.45 * width),
+                                            0.4 * 2 * len(states) + 1.6), sharex=True)
     _draw_rows(axes[0], before, "before", timing, width)
     _draw_rows(axes[1], after, "after", timing, width)
-    fig.suptitle(_FINDINGS[name])
-    # One label for both panels (two would collide under the narrow figures).
-    fig.supxlabel("time since a common origin" if timing else
-                  "element (colour: the rank it came from; grey: a sum)", fontsize=9)
+    fig.suptitle(_FINDINGS[name], fontsize=10)
+    axes[1].set_xlabel("time since a common origin" if timing else
+                       "element (colour: the rank it came from; grey: a sum)",
+                       fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -94,10 +97,16 @@ def plot_ring_trace(traces: list[list[list[int]]]) -> Any:
 
     n = len(traces)
     steps = len(traces[0])
-    fig, axes = plt.subplots(1, steps, figsize=(2.0 * steps, 0.45 * n + 1.6),
-                             sharey=True)
+    # Three rows (start; the n-1 reduce-scatter steps; the n-1 all-gather steps) so
+    # the figure fits the page width and its 9 pt digits stay readable.
+    cols = n - 1
+    fig, grid = plt.subplots(3, cols, figsize=(7.0, 3 * (0.35 * n + 0.9)),
+                             sharey=True, squeeze=False)
+    for ax in grid[0, 1:]:
+        ax.set_visible(False)
+    axes = [grid[0, 0], *grid[1], *grid[2]]
     full = int("1" * n)
-    for k, ax in enumerate(axes):
+    for k, ax in zip(range(steps), axes):
         for rank in range(n):
             row = traces[rank][k]
             y = n - 1 - rank
@@ -108,15 +117,17 @@ def plot_ring_trace(traces: list[list[list[int]]]) -> Any:
                 ax.add_patch(plt.Rectangle((j - 0.48, y - 0.4), 0.96, 0.8, color=color,
                                            alpha=0.7))
                 ax.text(j, y, f"{v:0{n}d}"[::-1], ha="center", va="center",
-                        fontsize=6)
+                        fontsize=9)
         ax.set_xlim(-0.6, len(traces[0][0]) - 0.4)
         ax.set_ylim(-0.6, n - 0.4)
-        ax.set_xticks(range(len(traces[0][0])), [f"c{j}" for j in range(len(row))])
-        ax.set_yticks(range(n), [f"rank {r}" for r in reversed(range(n))])
+        ax.set_xticks(range(len(traces[0][0])), [f"c{j}" for j in range(len(row))],
+                      fontsize=9)
+        ax.set_yticks(range(n), [f"rank {r}" for r in reversed(range(n))], fontsize=9)
         phase = "start" if k == 0 else ("reduce-scatter" if k < n else "all-gather")
-        ax.set_title(f"{phase}\nstep {k}" if k else phase, fontsize=9)
-    fig.suptitle("Ring all-reduce: after n-1 steps each rank owns one full chunk "
-                 "(green); n-1 more spread them (digit r = rank r's contribution)")
+        ax.set_title(f"{phase}, step {k}" if k else phase, fontsize=9)
+    fig.suptitle("Ring all-reduce: after n-1 steps each rank owns one full chunk\n"
+                 "(green); n-1 more spread them (digit r = rank r's contribution)",
+                 fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -128,7 +139,7 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
 
     from dtlib.collectives import cost_model as comm_cost
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
     for impl, marker in (("torch", "o"), ("ring", "s")):
         rs = sorted((r for r in records if r.get("op") == op and r.get("impl") == impl),
                     key=lambda r: r["bytes"])
@@ -138,7 +149,8 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
                         marker=marker, label=f"{impl} (measured)")
         fit = next((f for f in fits or [] if f["op"] == f"{op}_fit"
                     and f["impl"] == impl), None)
-        if fit is not None:
+        # Only a fit that can be trusted is drawn (see bench.collectives.fit_distrust).
+        if fit is not None and fit.get("trusted"):
             n = rs[0]["world_size"]
             alpha, beta = fit["alpha_us"] * 1e-6, 1e-9 / fit["link_GBps"]
             octaves = math.log2(rs[-1]["bytes"] / rs[0]["bytes"])
@@ -148,11 +160,48 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
             ax.plot(xs, model, "--", color=line.get_color(),
                     label=f"{impl}: alpha-beta fit")
             ax.axvline(fit["crossover_bytes"], color=line.get_color(), lw=0.8, ls=":")
+    # Both axes span orders of magnitude: log-log, where latency-bound busbw is a
+    # line of slope 1 and bandwidth-bound busbw is flat.
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"{op}: latency dominates small messages, bandwidth large ones "
-                 "(dotted: crossover)", fontsize=10)
-    ax.legend()
+    ax.set_title(f"{op}: bus bandwidth grows with size while latency dominates,\n"
+                 "then flattens (dashed: alpha-beta fit, dotted: crossover)",
+                 fontsize=10)
+    ax.legend(fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def fit_summary(fits: list[dict], records: list[dict]) -> str:
+    """The sentence the page prints about the alpha-beta fits: the fitted numbers when
+    every fit can be trusted, otherwise what went wrong (never an inf or a nan).
+
+    Args:
+        fits: the ``*_fit`` records of ``bench.collectives.run``.
+        records: its measured records (``bytes``, ``busbw_GBps``).
+    Returns:
+        Markdown text for one paragraph.
+
+    Taught in: Chapter 2, "The cost model against measurement".
+    """
+    by_impl = {f["impl"]: f for f in fits}
+    largest = max(r["bytes"] for r in records)
+    doubts = [f"{impl}: {f['why']}" for impl, f in by_impl.items() if not f["trusted"]]
+    if doubts:
+        return ("The alpha-beta fit **cannot be trusted on this run**, so the page "
+                "prints no α or 1/β (" + "; ".join(doubts) + "). The measured points "
+                "above are what this machine did; rerun the cell on an idle machine, "
+                "or the full benchmark, for a fit.")
+    t, r = by_impl["torch"], by_impl["ring"]
+    return (f"The fit gives α ≈ {t['alpha_us']:.0f} µs per message for gloo and "
+            f"{r['alpha_us']:.0f} µs for our ring (each of its 2(n−1) steps is a "
+            "Python-level `isend`/`irecv` pair, on four processes that share two cores "
+            "with other work), and a per-link bandwidth 1/β of "
+            f"{t['link_GBps']:.2f} and {r['link_GBps']:.2f} GB/s. Latency stops "
+            f"dominating around {r['crossover_bytes'] / 1024:.0f} KiB for the ring: "
+            "below that, bus bandwidth grows in proportion to the message size; "
+            "above it, it approaches 1/β. The largest messages, "
+            f"{largest / 2**20:.0f} MiB, are {largest / r['crossover_bytes']:.1f} "
+            "times that size.")

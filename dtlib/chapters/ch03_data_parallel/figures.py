@@ -31,7 +31,7 @@ def plot_timeline(events: Sequence[tuple[str, int, float]], title: str | None = 
     grads = [t for n, _, t in events if n == "grad"]
     launches = {i: t for n, i, t in events if n == "launch"}
     dones = {i: t for n, i, t in events if n == "done"}
-    fig, ax = plt.subplots(figsize=(8, 2.8))
+    fig, ax = plt.subplots(figsize=(7, 4.0))
     ax.barh(2, (fwd1 - fwd0) * ms, left=fwd0 * ms, color="tab:gray", label="forward")
     ax.barh(2, (bwd1 - fwd1) * ms, left=fwd1 * ms, color="tab:blue", label="backward")
     ax.plot([g * ms for g in grads], [2] * len(grads), "k|", ms=14,
@@ -48,9 +48,10 @@ def plot_timeline(events: Sequence[tuple[str, int, float]], title: str | None = 
     early = sum(1 for i in launches if dones.get(i, synced) <= bwd1)
     started = sum(1 for t in launches.values() if t <= bwd1)
     ax.set_title(title or f"{started} of {len(launches)} bucket all-reduces start during "
-                 f"backward; {early} finish before it ends")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.subplots_adjust(left=0.12, right=0.72, bottom=0.18)
+                 f"backward; {early} finish before it ends", fontsize=10)
+    # Legend under the axes: the figure keeps the page width and 9 pt text.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=9)
+    fig.subplots_adjust(left=0.14, right=0.97, top=0.9, bottom=0.38)
     return fig
 
 
@@ -71,7 +72,7 @@ def plot_step_times(records: Sequence[dict[str, Any]], title: str | None = None)
     for bar, r in zip(bars, records):
         ax.annotate(f"{r['allreduce_calls']} all-reduces", (bar.get_x() + 0.05,
                     bar.get_height()), textcoords="offset points", xytext=(0, 3),
-                    fontsize=8)
+                    fontsize=9)
     ax.set_ylabel("median step time (ms)")
     ax.set_xlabel("DDP variant")
     ax.set_title(title or "Fewer, larger messages: bucketing cuts the call count")

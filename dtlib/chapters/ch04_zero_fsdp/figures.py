@@ -65,7 +65,7 @@ def plot_comm_per_step(records: list[dict[str, Any]], ax: Any = None) -> Any:
            color="tab:gray")
     for level, label in ((2, "2 Psi: DDP, ZeRO-1/2"), (3, "3 Psi: ZeRO-3")):
         ax.axhline(level, ls="--", lw=1, color="tab:red")
-        ax.text(len(names) - 0.5, level, label, ha="right", va="bottom", fontsize=8)
+        ax.text(len(names) - 0.5, level, label, ha="right", va="bottom", fontsize=9)
     ax.set_ylabel("elements sent per step / Psi")
     ax.set_title("ZeRO-3 moves 1.5x the data of ZeRO-1/2")
     return ax

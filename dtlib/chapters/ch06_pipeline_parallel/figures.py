@@ -34,14 +34,14 @@ def plot_timeline(events: Sequence[Event], n_stages: int, ax: Any = None,
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.5 + 0.5 * n_stages))
+        _, ax = plt.subplots(figsize=(7, 0.7 + 0.5 * n_stages))
     span = max(e.end for e in events)
     for e in events:
         ax.barh(e.stage, e.end - e.start, left=e.start, height=0.8,
                 color=_COLORS[e.kind], edgecolor="black", linewidth=0.5)
-        if e.end - e.start > span / 60:
+        if e.end - e.start > span / 40:  # room for a 9 pt digit at 7 in
             ax.text((e.start + e.end) / 2, e.stage, str(e.mb), ha="center",
-                    va="center", fontsize=7, color="white")
+                    va="center", fontsize=9, color="white")
     ax.set_yticks(range(n_stages), [f"stage {s}" for s in range(n_stages)])
     ax.set_ylim(n_stages - 0.5, -0.5)
     ax.set_xlim(0, span)
@@ -50,7 +50,7 @@ def plot_timeline(events: Sequence[Event], n_stages: int, ax: Any = None,
     from matplotlib.patches import Patch
     ax.legend(handles=[Patch(color=_COLORS["F"], label="forward"),
                        Patch(color=_COLORS["B"], label="backward")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
     return ax
 
 
@@ -64,7 +64,7 @@ def plot_schedules(named_events: dict[str, Sequence[Event]], n_stages: int,
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(named_events), 1, sharex=True,
-                             figsize=(9, 0.6 + 0.55 * n_stages * len(named_events)))
+                             figsize=(7, 0.8 + 0.55 * n_stages * len(named_events)))
     axes = list(axes) if len(named_events) > 1 else [axes]
     for ax, (name, events) in zip(axes, named_events.items()):
         plot_timeline(events, n_stages, ax=ax, title=name, unit=unit)
@@ -102,7 +102,7 @@ def plot_bubble_vs_microbatches(n_stages_list: Sequence[int], max_mb: int = 32,
     ax.set_ylabel("idle fraction of the step")
     ax.set_ylim(0, 1)
     ax.set_title("More micro-batches shrink the bubble")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return ax
 
 
@@ -151,5 +151,5 @@ def plot_stage_costs(splits: dict[str, Sequence[float]], unit: str = "GFLOP",
     ax.set_xticks(range(n), [f"stage {s}" for s in range(n)])
     ax.set_ylabel(f"forward cost ({unit})")
     ax.set_title("The slowest stage sets the pace: balance by cost, not layer count")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return ax

@@ -40,7 +40,7 @@ def plot_activation_memory(micro_batches: Sequence[int],
         for b, a in zip(micro_batches, activation_bytes):
             if accum_for % b == 0:
                 ax.annotate(f"x{accum_for // b}", (b, a / mib),
-                            textcoords="offset points", xytext=(4, -12), fontsize=8)
+                            textcoords="offset points", xytext=(4, -12), fontsize=9)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("micro-batch (sequences)")
@@ -49,6 +49,6 @@ def plot_activation_memory(micro_batches: Sequence[int],
     if accum_for is not None:
         title += f"\n(xk: micro-batches accumulated for a batch of {accum_for})"
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=9, loc="upper left")
     fig.tight_layout()
     return fig
