@@ -570,3 +570,37 @@ def test_every_untouched_exercise_in_the_learner_copies_says_not_attempted(
             assert "Not attempted yet" in out, (path.name, k, out)
             checked += 1
     assert checked >= 20
+
+
+def _fsdp_blocks_then_root(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _fsdp_root_only(model):
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+def test_fsdp2_wrapping_checker(capsys) -> None:
+    from dtlib.exercises.train import check_fsdp2_wrapping
+
+    check_fsdp2_wrapping(_fsdp_blocks_then_root)
+    assert "Correct" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="are not units of their own"):
+        check_fsdp2_wrapping(_fsdp_root_only)
+    with pytest.raises(WrongAnswer, match="the root was sharded before its blocks"):
+        check_fsdp2_wrapping(_fsdp_root_first)
+
+
+def _fsdp_root_first(model):
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model)
+    for block in model.blocks:
+        fully_shard(block)
+    return model

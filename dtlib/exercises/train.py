@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
-from dtlib.exercises import WrongAnswer, check_close, checker, passed
+from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 
 _CASES = ((1, 4, 32, 1), (4, 2, 32, 1), (4, 2, 32, 4), (8, 1, 1024, 16))
 
@@ -35,3 +35,83 @@ def check_loss_multiplier(multiplier: Callable[[int, int, int, int], float]) -> 
                     "all ranks, and remember what DDP does to the ranks' gradients "
                     "(Chapter 8, 'Accumulation under DDP')")
     passed(f"your multiplier is right for {len(_CASES)} configurations")
+
+
+# ---- build it: wrap a GPT with FSDP2, block by block, on real ranks ------------------
+
+_FSDP_MICRO = 2
+
+
+def _fsdp_on_rank(wrap: Callable[[Any], Any]) -> dict[str, Any]:
+    """On every rank: the learner's wrapping of the tiny GPT, one backward on this
+    rank's rows of the global batch; which modules are FSDP units, and the gradients."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from dtlib.models.gpt import build_gpt, token_batch
+    from dtlib.models.sizes import size
+
+    cfg = size("tiny")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build_gpt(cfg)
+    try:
+        wrapped = wrap(model)
+    except Exception as exc:  # e.g. torch's error for a block wrapped after the root
+        return {"error": f"{type(exc).__name__}: {exc}",
+                "root": isinstance(model, FSDPModule),
+                "blocks": [isinstance(b, FSDPModule) for b in model.blocks]}
+    if wrapped is None:
+        wrapped = model
+    idx, targets = token_batch(cfg, world_size * _FSDP_MICRO, seed=0)
+    rows = slice(rank * _FSDP_MICRO, (rank + 1) * _FSDP_MICRO)
+    wrapped(idx[rows], targets[rows])[1].backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+             for n, p in model.named_parameters() if p.grad is not None}
+    return {"root": isinstance(model, FSDPModule),
+            "blocks": [isinstance(b, FSDPModule) for b in model.blocks],
+            "grads": grads}
+
+
+@checker
+def check_fsdp2_wrapping(wrap: Callable[[Any], Any], world_size: int = 2) -> None:
+    """Check ``wrap(model)``: shard the book's GPT with FSDP2 (``fully_shard``), one
+    unit per transformer block and the root last, so that one block's parameters are
+    gathered at a time. Runs on ``world_size`` real ranks; the gradients after one
+    backward must equal one process's on the whole batch."""
+    import torch
+
+    from dtlib.models.reference import reference_gpt_run
+    from dtlib.models.sizes import size
+
+    ranks = run_on_ranks(_fsdp_on_rank, wrap, world_size, what="your FSDP2 wrapping")
+    res = ranks[0]
+    if "error" in res:
+        if res["root"] and not all(res["blocks"]):
+            raise WrongAnswer(
+                "the root was sharded before its blocks: fully_shard(model) makes every "
+                "parameter of the model, the blocks' included, part of the root's unit, "
+                "and a block wrapped afterwards finds its parameters already sharded "
+                f"(torch says: {res['error'][:120]}).", "wrap innermost first: each "
+                "block, then the root (Chapter 4, 'FSDP2')")
+        raise WrongAnswer(f"your wrap raised {res['error']}")
+    if not res["root"]:
+        raise WrongAnswer(
+            "the model itself is not sharded: its own parameters (embeddings, final "
+            "norm, head) stay whole on every rank, and nothing gathers the first "
+            "unit before forward.", "call fully_shard on the root too, after the "
+            "blocks (Chapter 4, 'FSDP2')")
+    if not all(res["blocks"]):
+        missing = [i for i, unit in enumerate(res["blocks"]) if not unit]
+        raise WrongAnswer(
+            f"blocks {missing} are not units of their own: their parameters belong to "
+            "the root's unit, which is gathered whole, so the peak memory holds the "
+            "whole model.", "fully_shard each block first (innermost units first), "
+            "then the root")
+    truth = reference_gpt_run(size("tiny"), world_size * _FSDP_MICRO, 1)["grads"]
+    for name, want in truth.items():
+        got = res["grads"].get(name)
+        if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+            raise WrongAnswer(f"the gradient of {name} differs from one process's on "
+                              "the whole batch.")
+    passed(f"each of {len(res['blocks'])} blocks is an FSDP2 unit, then the root; the "
+           f"gradients on {world_size} ranks equal one process's")
