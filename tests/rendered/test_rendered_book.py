@@ -69,7 +69,7 @@ COLLECT_JS = r"""
       ...[...main.querySelectorAll("td, th")].map(text)],
     outputs: outputs.map(e => e.textContent),
     // A figure wider than the text column is shrunk to fit: matplotlib's 10 pt labels
-    // stay >= 9 pt only if it is shrunk by at most 10 %.
+    // stay >= 9 pt only if it is shrunk by at most a tenth.
     images_shrunk: [...main.querySelectorAll(".cell_output img")]
         .filter(e => e.naturalWidth && e.clientWidth / e.naturalWidth < 0.9)
         .map(e => `${e.naturalWidth} px shown at ${e.clientWidth} px`),
