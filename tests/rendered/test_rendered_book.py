@@ -93,10 +93,10 @@ UNIT = r"\s*(?:%|[KMGT]i?B(?:/s)?\b|s\b|ms\b|us\b|µs\b|x\b|GFLOP)"
 NONFINITE_WITH_UNIT = re.compile(r"(?<![\w.])[-+]?(?:inf|nan)" + UNIT, re.IGNORECASE)
 NONFINITE_CELL = re.compile(r"^[-+]?(?:inf|nan|infinity)$", re.IGNORECASE)
 NONFINITE_NAMED = re.compile(r"\w\s*[=:]\s*[-+]?(?:inf|nan)\b", re.IGNORECASE)
-# A frame of a library's source in a traceback shown to the reader.
+# A frame of a library's source in a traceback shown to the reader: Python's
+# 'File "/.../site-packages/torch/...", line N' or IPython's 'File /.../torch/...:N, in'.
 LIBRARY_FRAME = re.compile(
-    r"site-packages/|dist-packages/|/lib/python3\.\d+/|torch/nn/modules/"
-    r"|torch/distributed/|torch/autograd/|torch/_tensor\.py")
+    r'^\s*File "?\S*?(?:site-packages|dist-packages|/lib/python3\.\d+)/')
 
 
 def _pages() -> list[Path]:
