@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from dtlib.chapters.ch12_long_sequences.runs import (attention_inputs,
                                                      attention_reference, ring_check,
-                                                     train_cp)
+                                                     train_cp, ulysses_check)
 from dtlib.context_parallel import cp_shard, cp_volume, ring_attention
 from dtlib.context_parallel.ring_attention import block_backward, block_forward, merge
 from dtlib.context_parallel.sharding import (causal_pairs_per_rank, positions,
@@ -150,6 +150,23 @@ def test_ring_attention_equals_full_attention(world_size: int, causal: bool) -> 
         assert r["fwd_bytes"] == r["fwd_recv"] == vol.ring_forward
         assert r["bwd_bytes"] == vol.ring_backward
         assert r["bad"] is not None and "x has" in r["bad"]
+
+
+@pytest.mark.parametrize("world_size,causal", [(2, True), (4, True), (4, False)])
+def test_ulysses_equals_full_attention_and_its_volume(world_size: int,
+                                                       causal: bool) -> None:
+    shape = (2, 4, 16, 8)  # 4 heads: divisible by cp = 2 and 4
+    res = launch.spawn(ulysses_check, world_size, causal, shape, stream=False,
+                       timeout=120)
+    ref = attention_reference(causal, shape)
+    vol = cp_volume(shape[0], shape[2], shape[1] * shape[3], world_size,
+                    n_heads=shape[1])
+    for r in res:
+        for name in ("out", "dq", "dk", "dv"):
+            torch.testing.assert_close(r[name], ref[name], **TOL, msg=name)
+        # torch counts each all-to-all's whole input; (cp-1)/cp of it leaves the rank
+        assert r["fwd_bytes"] * (world_size - 1) // world_size == vol.ulysses_forward
+        assert r["bwd_bytes"] * (world_size - 1) // world_size == vol.ulysses_backward
 
 
 def test_volume_formula_ring_grows_ulysses_is_bounded() -> None:

@@ -1,10 +1,10 @@
 """Chapter 12's rank code keeps every tensor on the rank's device (NCCL's first rule).
 
-Run under :mod:`device_check` (the world's device made ``meta`` on a CPU rank, see
-``tests/test_device_placement.py``): ring attention, the context-parallel GPT, the
-sequence-parallel block and the interleaved torch schedule must produce no record,
-and their numbers must not change (ring attention still equal to one process,
-rtol=1e-5, atol=1e-6).
+Run under :mod:`device_check` (the world's device made ``meta`` on a CPU rank; see
+``tests/test_device_placement.py``): ring attention and Ulysses, the
+context-parallel GPT, the sequence-parallel block and the interleaved torch schedule
+must produce no record, and their numbers must not change (both attentions still
+equal to one process, rtol=1e-5, atol=1e-6).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 import device_check
 from dtlib.chapters.ch06_pipeline_parallel.runs import PP_GPT
-from dtlib.chapters.ch12_long_sequences.runs import (attention_reference, ring_check,
+from dtlib.chapters.ch12_long_sequences.runs import (attention_checks,
+                                                     attention_reference,
                                                      tp_and_sp_block, train_cp,
                                                      train_interleaved)
 from dtlib.models.sizes import size
@@ -23,11 +24,11 @@ from dtlib.runtime import launch
 
 def ch12_rank_code() -> dict:
     """On every rank: each rank function Chapter 12 launches, once, small."""
-    ring = ring_check(True)
+    both = attention_checks(True)  # ring attention and Ulysses
     train_cp(size("tiny"), 2, 1)
     tp_and_sp_block(size("tiny"), 2)
     train_interleaved(PP_GPT, 4, 2, 1, 2)
-    return {"out": ring["out"]}
+    return {"ring": both["ring"]["out"], "ulysses": both["ulysses"]["out"]}
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -35,7 +36,8 @@ def test_chapter_12_rank_code_keeps_every_tensor_on_the_device(world_size: int
                                                                ) -> None:
     results = launch.spawn(device_check.checked, world_size, ch12_rank_code,
                            timeout=240, stream=False)
-    truth = attention_reference(True)["out"]
+    truth = attention_reference(True, (2, 4, 16, 8))["out"]
     for r in results:
         assert r["violations"] == []
-        torch.testing.assert_close(r["value"]["out"], truth, rtol=1e-5, atol=1e-6)
+        for name in ("ring", "ulysses"):
+            torch.testing.assert_close(r["value"][name], truth, rtol=1e-5, atol=1e-6)

@@ -2,6 +2,7 @@
 
 - :func:`ring_check` / :func:`attention_reference`: ring attention on the ranks vs
   full attention on one process, forward and backward, bytes counted;
+- :func:`ulysses_check`: the all-to-all alternative, the same way;
 - :func:`torch_cp_probe`: does torch's experimental ``context_parallel`` run here?
 - :func:`sp_block_run` / :func:`block_reference`: one transformer block, tensor
   parallel (Chapter 5) or sequence parallel, vs one process; communication and
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from dtlib.collectives.accounting import count_comms
 from dtlib.context_parallel import cp_shard, cp_unshard, ring_attention
 from dtlib.context_parallel.gpt import average_cp_grads, context_parallelize, cp_loss
+from dtlib.context_parallel.ulysses import ulysses_attention
 from dtlib.memory.measure import measure_activations
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import grads_of, params_of
@@ -55,6 +57,23 @@ def attention_reference(causal: bool, shape: tuple[int, int, int, int] = SHAPE
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+def _sharded_run(attention: Any, op: str, causal: bool,
+                 shape: tuple[int, int, int, int]) -> dict[str, Any]:
+    """``attention`` on this rank's load-balanced chunks, forward and backward, with
+    the bytes of ``op`` counted in each; full results unsharded on CPU."""
+    device = ddist.world().device
+    q, k, v, dout = (cp_shard(t.to(device), 2) for t in attention_inputs(shape))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with count_comms(functional=False) as fwd:
+        out = attention(q, k, v, causal=causal)
+    with count_comms(functional=False) as bwd:
+        out.backward(dout)
+    return {**{name: cp_unshard(t, 2).cpu() for name, t in
+               (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))},
+            "fwd_bytes": fwd.total_bytes(op), "bwd_bytes": bwd.total_bytes(op),
+            "fwd_recv": fwd.total_bytes("recv")}
+
+
 def ring_check(causal: bool, shape: tuple[int, int, int, int] = SHAPE
                ) -> dict[str, Any]:
     """One rank: ring attention on its load-balanced chunks, forward and backward.
@@ -65,22 +84,32 @@ def ring_check(causal: bool, shape: tuple[int, int, int, int] = SHAPE
         (``fwd_recv``), and the message of the ``ValueError`` that ``cp_shard`` raises
         for a sequence not divisible by ``2 * cp`` (``bad``).
     """
-    device = ddist.world().device
-    q, k, v, dout = (cp_shard(t.to(device), 2) for t in attention_inputs(shape))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with count_comms(functional=False) as fwd:
-        out = ring_attention(q, k, v, causal=causal)
-    with count_comms(functional=False) as bwd:
-        out.backward(dout)
+    res = _sharded_run(ring_attention, "send", causal, shape)
     try:
-        cp_shard(torch.zeros(1, 2 * ddist.world().world_size + 2, device=device), 1)
-        bad = None
+        size = 2 * ddist.world().world_size + 2
+        cp_shard(torch.zeros(1, size, device=ddist.world().device), 1)
+        res["bad"] = None
     except ValueError as exc:
-        bad = str(exc)
-    return {**{name: cp_unshard(t, 2).cpu() for name, t in
-               (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))},
-            "fwd_bytes": fwd.total_bytes("send"), "fwd_recv": fwd.total_bytes("recv"),
-            "bwd_bytes": bwd.total_bytes("send"), "bad": bad}
+        res["bad"] = str(exc)
+    return res
+
+
+def ulysses_check(causal: bool, shape: tuple[int, int, int, int] = (2, 4, 16, 8)
+                  ) -> dict[str, Any]:
+    """One rank: DeepSpeed-Ulysses attention on its chunks, forward and backward.
+
+    Returns:
+        The full ``out, dq, dk, dv`` on CPU and the all-to-all bytes this rank issued
+        in forward and in backward (``fwd_bytes``, ``bwd_bytes``: message sizes as
+        torch counts them, the whole input of each call).
+    """
+    return _sharded_run(ulysses_attention, "all_to_all", causal, shape)
+
+
+def attention_checks(causal: bool, shape: tuple[int, int, int, int] = (2, 4, 16, 8)
+                     ) -> dict[str, Any]:
+    """One rank: :func:`ring_check` and :func:`ulysses_check` in one launch."""
+    return {"ring": ring_check(causal, shape), "ulysses": ulysses_check(causal, shape)}
 
 
 def torch_cp_probe(shape: tuple[int, int, int, int] = SHAPE) -> dict[str, Any]:
