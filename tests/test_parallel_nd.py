@@ -25,6 +25,7 @@ FP32 = 4  # bytes per element
 # near 1e-12 that AdamW normalises to a step of up to lr: hence atol 1e-5 there.
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
+PIPELINED = ("pp_dp", "fsdp_pp")
 
 
 def test_rank_grid_lines():
@@ -56,10 +57,10 @@ def test_2d_layouts_equal_one_process(truth, dp, tp):
     for rank, per_layout in enumerate(res):
         for layout, out in per_layout.items():
             where = f"{layout} rank {rank}"
-            ref = truth["pipeline" if layout == "pp_dp" else "gpt"]
+            ref = truth["pipeline" if layout in PIPELINED else "gpt"]
             torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5,
                                        atol=1e-6, msg=where)
-            if layout != "pp_dp":  # a pipeline rank holds its stage only
+            if layout not in PIPELINED:  # a pipeline rank holds its stage only
                 assert out["grads"].keys() == ref["grads"].keys(), where
             for name, g in out["grads"].items():
                 torch.testing.assert_close(g, ref["grads"][name], **GRAD_TOL,
@@ -67,8 +68,9 @@ def test_2d_layouts_equal_one_process(truth, dp, tp):
             for name, p in out["params"].items():
                 torch.testing.assert_close(p, ref["params"][name], **PARAM_TOL,
                                            msg=f"{where} param {name}")
-    stages = set().union(*(r["pp_dp"]["params"] for r in res))
-    assert stages == set(truth["pipeline"]["params"])  # the stages cover the model
+    for layout in PIPELINED:  # the stages cover the model
+        stages = set().union(*(r[layout]["params"] for r in res))
+        assert stages == set(truth["pipeline"]["params"]), layout
 
     cfg = TINY
     tp_bytes = 4 * cfg.n_layers * (BATCH // dp) * cfg.seq_len * cfg.hidden * FP32

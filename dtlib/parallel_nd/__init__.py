@@ -3,18 +3,19 @@
 - :mod:`~dtlib.parallel_nd.grid`: a rank grid ``arange(world).view(dp, tp)`` and
   one process group per line of it (the teaching device mesh).
 - :mod:`~dtlib.parallel_nd.compose`: our tensor parallel inside our data parallel;
-  our pipeline inside our data parallel; torch's FSDP2 x TP and HSDP on a
-  ``DeviceMesh``.
+  our pipeline inside our data parallel; torch's FSDP2 x TP, HSDP and FSDP2 x PP
+  on a ``DeviceMesh``.
 
 The planner that chooses the degrees is :mod:`dtlib.planner` (pure Python).
 """
 
 from __future__ import annotations
 
-from dtlib.parallel_nd.compose import (average_across_replicas, data_shard, fsdp_tp,
-                                       hsdp, pipeline_stage_of, tp_inside_dp)
+from dtlib.parallel_nd.compose import (average_across_replicas, data_shard,
+                                       fsdp_pipeline_stage, fsdp_tp, hsdp,
+                                       pipeline_stage_of, tp_inside_dp)
 from dtlib.parallel_nd.grid import GridGroups, build_grid_groups, lines_along, rank_grid
 
 __all__ = ["rank_grid", "lines_along", "GridGroups", "build_grid_groups",
            "tp_inside_dp", "fsdp_tp", "hsdp", "data_shard", "pipeline_stage_of",
-           "average_across_replicas"]
+           "average_across_replicas", "fsdp_pipeline_stage"]

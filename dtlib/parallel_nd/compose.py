@@ -13,6 +13,10 @@
   data parallel across (ours): each rank runs its stage with Chapter 6's schedule on
   its pp group, then averages its stage's gradients with the same stage of the
   other replicas (its dp group).
+- :func:`fsdp_pipeline_stage`: torch's pairing (as torchtitan composes them): the
+  stage sharded by ``fully_shard(mesh=mesh["dp"])``, wrapped in a ``PipelineStage``
+  on ``mesh["pp"]``; the schedule reduce-scatters gradients after the last
+  micro-batch.
 
 Taught in: Chapter 11, "Two dimensions, ours and torch's".
 """
@@ -80,6 +84,31 @@ def average_across_replicas(stage: torch.nn.Module, grid: GridGroups) -> int:
     Taught in: Chapter 11, "Pipeline inside, data parallel across".
     """
     return allreduce_grads(list(stage.parameters()), group=grid.groups["dp"])
+
+
+def fsdp_pipeline_stage(model: GPT, mesh: Any) -> tuple[GPTStage, Any]:
+    """This rank's pipeline stage, FSDP2-sharded across dp, as a ``PipelineStage``.
+
+    Args:
+        model: a full GPT (untied), identical on every rank.
+        mesh: a 2-D ``DeviceMesh`` with ``mesh_dim_names=("dp", "pp")``.
+    Returns:
+        ``(stage, pipeline_stage)``: the sharded :class:`GPTStage` (for the
+        optimizer) and the ``torch.distributed.pipelining.PipelineStage`` for a
+        schedule such as ``Schedule1F1B``.
+
+    Taught in: Chapter 11, "Pipeline inside, data parallel across".
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    pp, index = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    stage = split_gpt(model, pp)[index]
+    for block in stage.blocks.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(stage, mesh=mesh["dp"])
+    device = next(stage.parameters()).device
+    return stage, PipelineStage(stage, index, pp, device,
+                                group=mesh["pp"].get_group())
 
 
 def fsdp_tp(model: GPT, mesh: Any) -> GPT:

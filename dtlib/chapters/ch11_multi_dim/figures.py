@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 LAYOUT_LABELS = {"ours": "ours: TP in DP", "torch": "torch: FSDP2 x TP",
-                 "hsdp": "torch: HSDP", "pp_dp": "ours: PP in DP"}
+                 "hsdp": "torch: HSDP", "pp_dp": "ours: PP in DP",
+                 "fsdp_pp": "torch: FSDP2 x PP"}
 
 
 def plot_bytes_per_dimension(by_layout: dict[str, dict[str, dict[str, int]]],

@@ -5,6 +5,7 @@
   ``"torch"`` (``init_device_mesh``, ``parallelize_module``, ``fully_shard``);
 - :func:`train_hsdp`: torch's HSDP on a ("replicate", "shard") mesh;
 - :func:`train_pp_dp`: our pipeline (Chapter 6's 1F1B) inside our data parallel;
+  :func:`train_fsdp_pp`: torch's ``Schedule1F1B`` over FSDP2-sharded stages;
 - :func:`reference`: the same training on one process (the truth);
 - :func:`comm_by_dim`: the first step's collectives, per mesh dimension.
 
@@ -27,7 +28,8 @@ from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import reference_gpt_run
 from dtlib.models.sizes import size
 from dtlib.parallel_nd import (average_across_replicas, build_grid_groups, data_shard,
-                               fsdp_tp, hsdp, pipeline_stage_of, tp_inside_dp)
+                               fsdp_pipeline_stage, fsdp_tp, hsdp, pipeline_stage_of,
+                               tp_inside_dp)
 from dtlib.tensor_parallel.gpt import tensor_parallelize
 from dtlib.pipeline_parallel.schedules import pipeline_step
 from dtlib.runtime import dist as ddist
@@ -156,6 +158,62 @@ def train_pp_dp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
     return train_3d(dp, pp, 1, cfg, batch, n_microbatches, steps, lr, seed)
 
 
+def train_fsdp_pp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
+                  n_microbatches: int = 2, steps: int = 3, lr: float = 1e-3,
+                  seed: int = 0) -> dict[str, Any]:
+    """One rank of torch's pipeline over FSDP2 stages (``Schedule1F1B``).
+
+    Returns:
+        As :func:`train_pp_dp` (this stage's tensors, gathered from their shards),
+        without ``comms``: ``P2POp`` accepts only the unwrapped ``isend``/``irecv``,
+        so the counting wrappers of ``count_comms`` cannot run inside the schedule.
+
+    Taught in: Chapter 11, "Pipeline inside, data parallel across".
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    world = ddist.world()
+    mesh = init_device_mesh(world.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    stage, pstage = fsdp_pipeline_stage(build_gpt(cfg, seed).to(world.device), mesh)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # the mean over micro-batches, as ours (the schedule only sums)
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten()) / n_microbatches
+
+    schedule = Schedule1F1B(pstage, n_microbatches, loss_fn=loss_fn,
+                            scale_grads=False)
+    opt = torch.optim.AdamW(stage.parameters(), lr=lr)
+    index, last = mesh["pp"].get_local_rank(), pp - 1
+    out: dict[str, Any] = {"losses": [], "groups": {
+        d: tuple(dist.get_process_group_ranks(mesh[d].get_group()))
+        for d in ("dp", "pp")}}
+    for step in range(steps):
+        idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
+        rows = [data_shard(t, mesh["dp"].get_local_rank(), dp) for t in (idx, targets)]
+        losses: list[torch.Tensor] = []
+        # not counted: P2POp rejects the counting wrapper around isend/irecv
+        if index == 0:
+            schedule.step(rows[0])
+        elif index == last:
+            schedule.step(target=rows[1], losses=losses)
+        else:
+            schedule.step()
+        loss = torch.stack(losses).sum().detach() if index == last else \
+            torch.zeros((), device=world.device)
+        if step == 0:
+            out["grads"] = {n: p.grad.full_tensor().cpu()
+                            for n, p in stage.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(loss)  # the last stage of each replica holds its loss
+        out["losses"].append(loss.item() / dp)
+    out["params"] = {n: p.full_tensor().detach().cpu()
+                     for n, p in stage.named_parameters()}
+    return out
+
+
 def train_3d(dp: int, pp: int, tp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
              n_microbatches: int = 2, steps: int = 3, lr: float = 1e-3,
              seed: int = 0) -> dict[str, Any]:
@@ -241,16 +299,18 @@ def all_layouts(dp: int, inner: int, cfg: GPTConfig = TINY, batch: int = 8,
         cfg, batch, steps: the GPT of the TP and HSDP layouts and the training;
             the pipeline layout trains ``PIPELINE`` (8 blocks) in 2 micro-batches.
     Returns:
-        ``{"ours": ..., "torch": ..., "hsdp": ..., "pp_dp": ...}``: :func:`train_2d`
-        ours and torch on a dp x tp grid, :func:`train_hsdp` on replicate=dp x
-        shard=inner, :func:`train_pp_dp` on dp x pp.
+        ``{"ours": ..., "torch": ..., "hsdp": ..., "pp_dp": ..., "fsdp_pp": ...}``:
+        :func:`train_2d` ours and torch on a dp x tp grid, :func:`train_hsdp` on
+        replicate=dp x shard=inner, :func:`train_pp_dp` and :func:`train_fsdp_pp`
+        on dp x pp.
 
     Taught in: Chapter 11.
     """
     return {"ours": train_2d("ours", dp, inner, cfg, batch, steps),
             "torch": train_2d("torch", dp, inner, cfg, batch, steps),
             "hsdp": train_hsdp(dp, inner, cfg, batch, steps),
-            "pp_dp": train_pp_dp(dp, inner, PIPELINE, batch, steps=steps)}
+            "pp_dp": train_pp_dp(dp, inner, PIPELINE, batch, steps=steps),
+            "fsdp_pp": train_fsdp_pp(dp, inner, PIPELINE, batch, steps=steps)}
 
 
 # ---- the planner against published runs (pure Python; no ranks) ----------------
