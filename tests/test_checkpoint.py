@@ -220,3 +220,125 @@ def test_check_atomic_save():
 
     with pytest.raises(WrongAnswer, match="fsync"):
         ex.check_atomic_save(no_fsync)
+
+
+# ---- safe DCP loads, damage, permissions, leftovers, equal sampler counts ------------
+
+def _dcp_dir(path: str) -> tuple[dict, dict]:
+    """A small DCP checkpoint with a manifest (one process); returns (saved, template)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from dtlib.checkpoint.safe_dcp import write_manifest
+
+    torch.manual_seed(0)
+    saved = {"model": {"w": torch.randn(4, 3)}, "lr": 0.25, "betas": (0.9, 0.99)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(saved, checkpoint_id=path, no_dist=True)
+    write_manifest(path, world_size=1, step=3)
+    return saved, {"model": {"w": torch.zeros(4, 3)}, "lr": 0.0, "betas": (0.0, 0.0)}
+
+
+class _Boom:
+    """A pickle that runs code when loaded: it creates the file ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_safe_dcp_load_round_trip(tmp_path):
+    from dtlib.checkpoint.safe_dcp import safe_dcp_load
+
+    saved, template = _dcp_dir(str(tmp_path / "ck"))
+    manifest = safe_dcp_load(template, str(tmp_path / "ck"), no_dist=True)
+    assert manifest["world_size"] == 1 and manifest["step"] == 3
+    assert torch.equal(template["model"]["w"], saved["model"]["w"])
+    assert template["lr"] == 0.25 and tuple(template["betas"]) == (0.9, 0.99)
+
+
+def test_crafted_dcp_metadata_is_never_unpickled(tmp_path):
+    """The attack dcp.load falls for: a .metadata pickle that runs code. Refused with
+    the manifest recomputed (an attacker who can write files), and without it."""
+    import pickle
+
+    from dtlib.checkpoint.safe_dcp import (CheckpointDamaged, safe_dcp_load,
+                                           write_manifest)
+
+    ck = str(tmp_path / "ck")
+    _, template = _dcp_dir(ck)
+    marker = str(tmp_path / "code_ran")
+    with open(os.path.join(ck, ".metadata"), "wb") as f:
+        pickle.dump(_Boom(marker), f)
+    with pytest.raises(CheckpointDamaged, match="metadata changed"):
+        safe_dcp_load(template, ck, no_dist=True)  # the manifest catches the swap
+    write_manifest(ck, world_size=1, step=3)  # a forger rewrites the manifest too
+    with pytest.raises(CheckpointDamaged, match="may not refer to"):
+        safe_dcp_load(template, ck, no_dist=True)
+    assert not os.path.exists(marker)  # no code ran
+    os.remove(os.path.join(ck, "manifest.json"))
+    with pytest.raises(CheckpointDamaged, match="no readable manifest"):
+        safe_dcp_load(template, ck, no_dist=True)
+
+
+def test_damaged_dcp_file_is_detected(tmp_path):
+    from dtlib.checkpoint.safe_dcp import CheckpointDamaged, verify_manifest
+
+    ck = str(tmp_path / "ck")
+    _dcp_dir(ck)
+    data = [n for n in os.listdir(ck) if n.endswith(".distcp")][0]
+    with open(os.path.join(ck, data), "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointDamaged, match="changed since it was saved"):
+        verify_manifest(ck)
+
+
+def test_atomic_save_normal_permissions_and_cleans_leftovers(tmp_path):
+    from dtlib.checkpoint.state import clean_leftovers
+
+    old = os.umask(0o022)
+    try:
+        path = atomic_save({"x": torch.ones(1)}, tmp_path / "a.pt")
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o644  # readable by eval jobs
+    (tmp_path / ".tmp-abc.part").write_bytes(b"half a checkpoint")  # a killed save
+    (tmp_path / "step00000009.tmp").mkdir()  # a killed sharded save
+    assert sorted(clean_leftovers(tmp_path)) == [".tmp-abc.part", "step00000009.tmp"]
+    assert sorted(os.listdir(tmp_path)) == ["a.pt"]
+
+
+@pytest.mark.parametrize("dataset_len,world_size", [(1, 4), (5, 4), (7, 3), (2, 2)])
+def test_sampler_equal_counts_like_distributed_sampler(dataset_len, world_size):
+    from torch.utils.data import DistributedSampler
+
+    per_rank = [ResumableSampler(dataset_len, rank=r, world_size=world_size,
+                                 shuffle=False) for r in range(world_size)]
+    ref = [list(DistributedSampler(range(dataset_len), world_size, r, shuffle=False))
+           for r in range(world_size)]
+    assert [list(s) for s in per_rank] == ref
+    assert all(len(r) == -(-dataset_len // world_size) for r in ref)
+
+
+def test_truncated_newest_checkpoint_falls_back(tmp_path):
+    from dtlib.checkpoint.state import load_latest_good
+
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    from dtlib.checkpoint.state import save_checkpoint
+
+    save_checkpoint(tmp_path, 3, net, opt)
+    good = net.weight.detach().clone()
+    with torch.no_grad():
+        net.weight.add_(1)
+    newest = save_checkpoint(tmp_path, 6, net, opt)
+    with open(newest, "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(UserWarning, match="step00000006.pt.*falling back"):
+        got = load_latest_good(tmp_path, net, opt)
+    assert got["step"] == 3 and got["path"].endswith("step00000003.pt")
+    assert torch.equal(net.weight, good)

@@ -26,7 +26,9 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import tempfile
+import warnings
 from typing import Any, Iterator
 
 import numpy as np
@@ -38,7 +40,8 @@ from dtlib.runtime.dist import world
 
 __all__ = ["CHECKPOINT_PATTERN", "checkpoint_path", "list_checkpoints",
            "latest_checkpoint", "atomic_save", "rng_state", "set_rng_state",
-           "ResumableSampler", "STATE_KEYS", "save_checkpoint", "load_checkpoint"]
+           "ResumableSampler", "STATE_KEYS", "save_checkpoint", "load_checkpoint",
+           "clean_leftovers", "load_latest_good"]
 
 #: The one file-name scheme, for writing and for finding (zero-padded: sorts by name).
 CHECKPOINT_PATTERN = "step{step:08d}.pt"
@@ -100,6 +103,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600: others could not read it
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -116,6 +122,28 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> str:
     finally:
         os.close(dir_fd)
     return path
+
+
+#: What a killed save leaves behind: atomic_save's temporary files, and the
+#: temporary directories of sharded saves (``step00000009.tmp``).
+_LEFTOVER_RE = re.compile(r"^(\.tmp-.*\.part|step\d{8}\.tmp)$")
+
+
+def clean_leftovers(ckpt_dir: str | os.PathLike) -> list[str]:
+    """Delete what interrupted saves left in ``ckpt_dir``; return the names removed.
+
+    Call it from the one writer, before a save (never while another save runs).
+
+    Taught in: Chapter 9, "Atomic writes".
+    """
+    ckpt_dir = os.fspath(ckpt_dir)
+    removed = []
+    for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
+        if _LEFTOVER_RE.match(name):
+            path = os.path.join(ckpt_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            removed.append(name)
+    return removed
 
 
 def rng_state() -> dict[str, Any]:
@@ -189,7 +217,8 @@ class ResumableSampler(Sampler[int]):
         else:
             order = list(range(self.dataset_len))
         total = self.num_samples * self.world_size
-        order += order[: total - len(order)]
+        pad = total - len(order)  # repeat the order as often as needed (1 sample, 4
+        order += (order * -(-pad // len(order)))[:pad]  # ranks: 3 copies), as torch does
         return order[self.rank:total:self.world_size]
 
     def set_epoch(self, epoch: int) -> None:
@@ -250,6 +279,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         gathered = [per_rank]
     path = None
     if world().rank == 0:
+        clean_leftovers(ckpt_dir)  # a killed save's temporary files
         state = {"step": step, "epoch": epoch, "world_size": len(gathered),
                  "model": _unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict(),
@@ -284,11 +314,18 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     unknown = set(restore) - set(STATE_KEYS)
     if unknown:
         raise ValueError(f"restore={sorted(unknown)} unknown; allowed: {STATE_KEYS}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    return _apply(torch.load(path, map_location="cpu", weights_only=True), path, model,
+                  optimizer, scheduler, sampler, restore, scaler)
+
+
+def _apply(state: dict[str, Any], path: str | os.PathLike, model: torch.nn.Module,
+           optimizer: Any, scheduler: Any, sampler: ResumableSampler | None,
+           restore: tuple[str, ...] | set[str], scaler: Any) -> dict[str, int]:
     rank = world().rank
     if state["world_size"] != (dist.get_world_size() if dist.is_initialized() else 1):
         raise ValueError(f"{path} was saved by {state['world_size']} ranks; this job "
-                         "has a different world size (per-rank RNG would not match)")
+                         f"has {dist.get_world_size() if dist.is_initialized() else 1} "
+                         "(per-rank RNG and sampler states would not match)")
     if "model" in restore:
         _unwrap(model).load_state_dict(state["model"])
     if "optimizer" in restore and optimizer is not None:
@@ -302,3 +339,33 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         sampler.load_state_dict(mine["sampler"])
     set_rng_state(mine, restore)
     return {"step": state["step"], "epoch": state["epoch"]}
+
+
+def load_latest_good(ckpt_dir: str | os.PathLike, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer | None = None,
+                     scheduler: Any = None, sampler: ResumableSampler | None = None,
+                     scaler: Any = None) -> dict[str, Any] | None:
+    """Restore the newest checkpoint of ``ckpt_dir`` that reads back whole.
+
+    A truncated or corrupt newest file (a full disk, a crash during a copy) is
+    skipped with a warning naming it, and the one before is tried: losing a few
+    steps beats losing the run. A file that reads but does not fit (another world
+    size) is an error, not a reason to go back.
+
+    Returns:
+        ``{"step", "epoch", "path"}``, or None when no checkpoint reads back.
+
+    Taught in: Chapter 9, "When the newest checkpoint is damaged".
+    """
+    for step, path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # truncated zip, bad CRC, not a checkpoint at all
+            warnings.warn(f"checkpoint {path} is damaged ({type(exc).__name__}: "
+                          f"{str(exc)[:120]}); falling back to the one before",
+                          stacklevel=2)
+            continue
+        out = _apply(state, path, model, optimizer, scheduler, sampler, STATE_KEYS,
+                     scaler)
+        return {**out, "path": path}
+    return None

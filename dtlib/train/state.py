@@ -15,6 +15,8 @@ import hashlib
 import math
 import os
 import re
+import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -23,18 +25,33 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from dtlib.checkpoint.state import (ResumableSampler, atomic_save, latest_checkpoint,
-                              load_checkpoint, rng_state, save_checkpoint,
-                              set_rng_state)
+from dtlib.checkpoint.safe_dcp import (CheckpointDamaged, safe_dcp_load,
+                                       verify_manifest, write_manifest)
+from dtlib.checkpoint.state import (ResumableSampler, atomic_save, clean_leftovers,
+                                    load_latest_good, rng_state, save_checkpoint,
+                                    set_rng_state)
+from dtlib.runtime.dist import rprint
 from dtlib.train.config import TrainConfig
 
 __all__ = ["save_state", "resume", "param_digest"]
 
 
-def _latest_dcp(ckpt_dir: str) -> str | None:
+def _dcp_dirs(ckpt_dir: str) -> list[str]:
+    """The finished sharded checkpoints of ``ckpt_dir``, newest first."""
     names = [n for n in os.listdir(ckpt_dir) if re.fullmatch(r"step\d{8}", n)] \
         if os.path.isdir(ckpt_dir) else []
-    return os.path.join(ckpt_dir, max(names)) if names else None
+    return [os.path.join(ckpt_dir, n) for n in sorted(names, reverse=True)]
+
+
+def _newest_good_dcp(ckpt_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest sharded checkpoint whose files match its manifest, and the
+    manifest; damaged ones are skipped with a warning."""
+    for path in _dcp_dirs(ckpt_dir):
+        try:
+            return path, verify_manifest(path)
+        except CheckpointDamaged as exc:
+            warnings.warn(f"{exc}; falling back to the one before", stacklevel=2)
+    return None
 
 
 def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: Any,
@@ -57,15 +74,21 @@ def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: A
     # temporary directory; rank 0 renames it once all are done (atomic, like Ch. 9).
     final = os.path.join(cfg.ckpt_dir, f"step{step:08d}")
     tmp = final + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        clean_leftovers(cfg.ckpt_dir)  # what a killed save left behind
+    dist.barrier()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    rank = dist.get_rank()
     atomic_save({"step": step, "scheduler": sched.state_dict(),
                  "sampler": sampler.state_dict(), **rng_state(),
                  "scaler": scaler.state_dict() if scaler is not None else None},
                 os.path.join(tmp, f"rank{rank}.pt"))
     dist.barrier()
-    if rank == 0:
+    if rank == 0:  # every file is written: hash them all (a load verifies first)
+        write_manifest(tmp, world_size=dist.get_world_size(), step=step)
+        if os.path.isdir(final):  # a damaged save of this step, resumed from before
+            shutil.rmtree(final)
         os.replace(tmp, final)
     dist.barrier()
 
@@ -86,15 +109,23 @@ def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
     if cfg.ckpt_dir is None:
         return 0
     if cfg.strategy == "ddp":
-        path = latest_checkpoint(cfg.ckpt_dir) if os.path.isdir(cfg.ckpt_dir) else None
-        return load_checkpoint(path, model, opt, sched, sampler,
-                               scaler=scaler)["step"] if path else 0
-    path = _latest_dcp(cfg.ckpt_dir)
-    if path is None:
+        got = load_latest_good(cfg.ckpt_dir, model, opt, sched, sampler, scaler)
+        if got is None:
+            return 0
+        rprint(f"resumed from {got['path']} (step {got['step']})")
+        return got["step"]
+    found = _newest_good_dcp(cfg.ckpt_dir)
+    if found is None:
         return 0
+    path, manifest = found
+    ws = dist.get_world_size()
+    if manifest["world_size"] != ws:  # per-rank sampler and RNG files would not fit
+        raise ValueError(f"{path} was saved by {manifest['world_size']} ranks; this "
+                         f"job has {ws}. Resume with {manifest['world_size']} ranks "
+                         "(the sampler and RNG states are per rank)")
     msd, osd = get_state_dict(model, opt)  # initialises the optimizer's state
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
+    safe_dcp_load(state, path)  # no pickle of the directory is run
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     mine = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"),
@@ -104,6 +135,7 @@ def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
     set_rng_state(mine)
     if scaler is not None and mine.get("scaler"):
         scaler.load_state_dict(mine["scaler"])
+    rprint(f"resumed from {path} (step {mine['step']})")
     return mine["step"]
 
 
