@@ -91,6 +91,33 @@ def test_fp16_crash_and_resume_is_bit_exact(tmp_path):
     assert resumed["final_loss"] == straight["final_loss"]
 
 
+def test_fsdp_resume_survives_damage_and_refuses_another_world_size(tmp_path):
+    """Saves at steps 3 and 6; step 6's shard file is truncated (a full disk): the
+    resume warns, falls back to step 3, says so, and ends where a straight run does.
+    Resuming those 2-rank shards on 1 rank is refused, naming both sizes."""
+    tmp = str(tmp_path)
+    ckpt = os.path.join(tmp, "ckpt")
+    args = ("--strategy", "fsdp", "--ckpt-dir", ckpt)
+    _run(tmp, "crash", *args, "--stop-after", "7")
+    step6 = os.path.join(ckpt, "step00000006")
+    shard = sorted(n for n in os.listdir(step6) if n.endswith(".distcp"))[0]
+    with open(os.path.join(step6, shard), "r+b") as f:
+        f.truncate(64)
+    out = os.path.join(tmp, "resume.json")
+    res = launch.torchrun("dtlib.train", *BASE, *args, "--summary-json", out,
+                          module=True, nproc=2, stream=False, timeout=120)
+    with open(out) as f:
+        resumed = json.load(f)
+    text = "\n".join(res.outputs.values())
+    assert resumed["start_step"] == 3, text
+    assert "falling back" in text and "resumed from" in text, text
+    straight = _run(tmp, "straight", "--strategy", "fsdp")
+    assert resumed["param_sha256"] == straight["param_sha256"]
+    with pytest.raises(launch.LaunchError, match="saved by 2 ranks; this job has 1"):
+        launch.torchrun("dtlib.train", *BASE, *args, module=True, nproc=1,
+                        stream=False, timeout=120)
+
+
 def test_accumulation_equals_the_large_micro_batch():
     big = main([*BASE, "--micro-batch", "4"])
     accumulated = main([*BASE, "--micro-batch", "2", "--accum-steps", "2"])
@@ -105,17 +132,30 @@ def test_bf16_stays_close_to_fp32():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--strategy", "zero9"], ["strategy='zero9'", "ddp", "fsdp"]),
-    (["--accum-steps", "0"], ["accum_steps=0", ">= 1"]),
+    (["--strategy", "zero9"], ["--strategy", "strategy='zero9'", "ddp", "fsdp"]),
+    (["--accum-steps", "0"], ["--accum-steps", "accum_steps=0", ">= 1"]),
     (["--hidden", "30", "--n-heads", "4"], ["hidden=30", "n_heads=4"]),
     (["--precision", "fp16", "--strategy", "fsdp"], ["fp16", "fsdp"]),
-    (["--warmup", "20", "--steps", "10"], ["warmup=20", "steps=10"]),
+    (["--warmup", "20", "--steps", "10"], ["--warmup", "warmup=20", "steps=10"]),
+    (["--lr", "inf"], ["--lr", "lr=inf", "finite"]),
+    (["--weight-decay", "nan"], ["--weight-decay", "weight_decay=nan", "finite"]),
+    (["--grad-clip", "-1"], ["--grad-clip", ">= 0"]),
+    (["--dataset-size", "2", "--micro-batch", "4"],
+     ["--dataset-size", "dataset_size=2", "global batch", ">= 4"]),
+    (["--ckpt-dir", __file__], ["--ckpt-dir", "is a file", "directory"]),
 ])
-def test_bad_flags_are_named(argv, words):
-    with pytest.raises(ValueError) as err:
+def test_bad_flags_stop_in_one_argparse_line(argv, words, capsys, tmp_path,
+                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may be written, here or anywhere
+    with pytest.raises(SystemExit) as stop:
         main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m dtlib.train: error: "), err
+    assert "Traceback" not in "\n".join(err)
     for word in words:
-        assert word in str(err.value)
+        assert word in err[-1], err
+    assert os.listdir(tmp_path) == []
 
 
 def test_flags_map_to_fields():

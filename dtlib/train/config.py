@@ -12,6 +12,9 @@ Taught in: Chapter 10, "The script's structure".
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 from dataclasses import MISSING, dataclass, fields
 from typing import Sequence
 
@@ -106,13 +109,24 @@ class TrainConfig:
         if self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by "
                              f"n_heads={self.n_heads}; allowed: a multiple of it")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr!r} must be > 0")
+        for name in ("lr", "loss_scale"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be finite "
+                                 "and > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         for name in ("weight_decay", "grad_clip"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be finite "
+                                 "and >= 0")
+        if self.ckpt_dir is not None and os.path.exists(self.ckpt_dir) \
+                and not os.path.isdir(self.ckpt_dir):
+            raise ValueError(f"ckpt_dir={self.ckpt_dir!r} is a file; allowed: a "
+                             "directory (it is created if missing)")
+        for name in ("summary_json",):
+            if getattr(self, name) is not None and os.path.isdir(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} is a directory; "
+                                 "allowed: a file path")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be < steps={self.steps}")
         if self.strategy == "fsdp" and self.precision == "fp16":
@@ -157,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Command line -> validated :class:`TrainConfig` (raises ValueError when invalid).
+    """Command line -> validated :class:`TrainConfig`.
+
+    An invalid value stops the program here, before any process group, model or
+    file exists, with argparse's one-line ``error:`` naming the flag (exit code 2).
 
     Args:
         argv: the arguments without the program name (default: ``sys.argv[1:]``).
@@ -166,8 +183,33 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 
     Taught in: Chapter 10, "The script's structure".
     """
-    ns = build_parser().parse_args(None if argv is None else list(argv))
-    return TrainConfig(**vars(ns))
+    parser = build_parser()
+    ns = parser.parse_args(None if argv is None else list(argv))
+    try:
+        cfg = TrainConfig(**vars(ns))
+        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as exc:  # one line naming the flag, as argparse's own errors
+        name = re.match(r"(\w+)=", str(exc))
+        flag = f"argument --{name.group(1).replace('_', '-')}: " if name else ""
+        parser.error(flag + str(exc))
+    return cfg
+
+
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """What depends on the world size: one global batch must fit in the dataset.
+
+    Raises:
+        ValueError: ``dataset_size`` smaller than ``micro_batch x accum_steps x
+            world_size`` (a step would find no data).
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    batch = cfg.micro_batch * cfg.accum_steps * world_size
+    if cfg.dataset_size < batch:
+        raise ValueError(f"dataset_size={cfg.dataset_size} is smaller than one global "
+                         f"batch (micro_batch {cfg.micro_batch} x accum_steps "
+                         f"{cfg.accum_steps} x world_size {world_size} = {batch}); "
+                         f"allowed: >= {batch}")
 
 
 def _field_docs() -> dict[str, str]:
