@@ -23,9 +23,13 @@ the results stay exact):
    ``batch_isend_irecv``'s operations) is wrapped: a host tensor among its arguments
    is a violation. Modules given to DDP must have their parameters on the device.
 
-Limits, stated honestly: an explicit ``device=`` of any kind is trusted (``device=
-x.device`` is the right idiom and reads ``cpu`` here); tensors made inside C++
-(autograd's gradients, gloo's buffers) are unmarked, i.e. assumed on the device.
+``x.device`` read by rank code (not by torch itself) answers ``meta`` for a device
+tensor and ``cpu`` for a host one, so ``device=x.device`` follows its tensor and an
+explicit ``device="cpu"`` makes a host tensor, as on a GPU node.
+
+Limits, stated honestly: tensors made inside C++ (autograd's gradients, gloo's
+buffers) are unmarked, i.e. assumed on the device; code that branches on
+``device.type == "cuda"`` runs its CPU branch here.
 
 Use :func:`checked` as a :func:`dtlib.runtime.launch.spawn` rank function, or
 :func:`install` at the top of a script run under torchrun.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -101,8 +106,17 @@ class DeviceRules(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         method = "Tensor" in getattr(func, "__qualname__", "")
         explicit = None  # "device", "host" or None (the inputs decide)
+        if getattr(func, "__self__", None) is torch._C.TensorBase.device and args \
+                and f"{os.sep}torch{os.sep}" not in sys._getframe(1).f_code.co_filename:
+            # ``x.device`` read by rank code: meta for a device tensor, so that
+            # ``device=x.device`` and ``x.device == world().device`` mean what they
+            # would on a GPU node. torch's own code sees the real device.
+            return torch.device("cpu") if is_host(args[0]) else torch.device("meta")
+        # torch's own code (FSDP, DDP, optimizers) computes where its tensors go: an
+        # explicit device from it is trusted; a device-less factory is host anywhere.
+        internal = f"{os.sep}torch{os.sep}" in sys._getframe(1).f_code.co_filename
         if "device" in kwargs and kwargs["device"] is not None:
-            explicit = "device"
+            explicit = "device" if internal or _meta(kwargs["device"]) else "host"
             if _meta(kwargs["device"]):
                 kwargs["device"] = "cpu"
         if method and name == "to" and args:
@@ -128,7 +142,7 @@ class DeviceRules(TorchFunctionMode):
                        if isinstance(t, torch.Tensor)]
             big = [t for t in tensors if t.dim() > 0]
             if any(is_host(t) for t in big) and not all(is_host(t) for t in big) \
-                    and name not in CROSS_OK:
+                    and name not in CROSS_OK and not internal:
                 _flag(f"'{name}' mixes a host tensor with device tensors")
             judged = big or tensors
             out_host = bool(judged) and all(is_host(t) for t in judged)
@@ -182,6 +196,14 @@ def install(report: str | None = None) -> None:
         ddp_init(self, module, *args, **kwargs)
 
     DDP.__init__ = checked_ddp
+    # A mesh or autocast on the world's device type: meta here means the CPU.
+    from torch.distributed import device_mesh
+
+    mesh_init, amp_init = device_mesh.init_device_mesh, torch.autocast.__init__
+    device_mesh.init_device_mesh = lambda device_type, *a, **k: mesh_init(
+        "cpu" if device_type == "meta" else device_type, *a, **k)
+    torch.autocast.__init__ = lambda self, device_type, *a, **k: amp_init(
+        self, "cpu" if device_type == "meta" else device_type, *a, **k)
     new_param = torch.nn.Parameter.__new__
 
     def marked_param(cls: Any, data: Any = None, requires_grad: bool = True) -> Any:

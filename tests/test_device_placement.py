@@ -1,13 +1,13 @@
-"""Every tensor a rank creates lives on the rank's device (NCCL's first rule), on CPU CI.
+"""Every tensor a rank creates lives on the rank's device (NCCL's first rule), on a CPU.
 
 :mod:`device_check` makes the world's device ``meta`` while gloo still runs on the CPU,
 marks every tensor made without ``device=`` as *host* (where it would land on a GPU
 node), and records each collective or point-to-point call given a host tensor and each
-compute op mixing host and device tensors. The rank functions the book and the
-benchmarks launch, and the ``%%torchrun`` cells of chapters 0 and 2 that are meant to
-succeed, must produce no record. The first test shows the check fails on the mistakes
-it is for. What it cannot see is said in :mod:`device_check`'s docstring; the cells
-that fail on purpose (a deadlock, a crash) are not run.
+compute op mixing host and device tensors. The rank functions of chapters 2-6 and the
+benchmarks (what the GPU suite runs), and the ``%%torchrun`` cells of chapters 0 and 2
+that are meant to succeed, must produce no record. The first test shows the check
+fails on the mistakes it is for. What it cannot see is said in :mod:`device_check`'s
+docstring; the cells that fail on purpose (a deadlock, a crash) are not run.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def mistakes() -> dict[str, list[str]]:
     out["mix"] = since()
     _ = DDP(torch.nn.Linear(3, 3))
     out["ddp"] = since()
+    dist.all_reduce(torch.ones(2, device="cpu"))  # "cpu" by name: the host on a GPU
+    out["explicit_cpu"] = since()
     buf = torch.empty(3, device=world().device)
     dist.broadcast(buf, src=0)
+    dist.all_reduce(torch.zeros(2, 3, device=x.device) + x)  # follows x's device
     _ = DDP(torch.nn.Linear(3, 3).to(world().device))
     total = torch.zeros((), device=world().device) + x.sum() * torch.tensor(2.0)
     dist.all_reduce(total)
@@ -64,11 +67,12 @@ def test_the_check_catches_each_mistake(world_size):
         assert any("dist.all_reduce got a tensor" in v for v in got["factory"])
         assert any("'add' mixes" in v for v in got["mix"])
         assert any("DDP was given" in v for v in got["ddp"])
+        assert any("dist.all_reduce got a tensor" in v for v in got["explicit_cpu"])
         assert got["right"] == []  # the right way raises nothing (0-d scalars mix)
 
 
 def book_rank_code() -> dict:
-    """On every rank: every rank function of chapters 2 and 6 and of the benchmarks."""
+    """On every rank: the rank functions of chapters 2-6 and of the benchmarks."""
     from dtlib.bench import collectives as bench_coll, launch as bench_launch
     from dtlib.chapters.ch02_collectives import runs as ch02
     from dtlib.chapters.ch06_pipeline_parallel import runs as ch06
@@ -84,6 +88,21 @@ def book_rank_code() -> dict:
     ch06.timeline_rank(ch06.PP_GPT, 2 * m, m, repeats=1)
     bench_coll.time_collectives([4096], list(bench_coll.OPS), budget=0.01)
     bench_launch.hello()
+    if dist.get_world_size() > 2:  # placement does not depend on the world size:
+        return {"loss_diff": max(pp[i]["loss_diff"] for i in pp if i != "ref_losses")}
+    # chapters 3, 4 and 5 (what the GPU suite runs on NCCL) once, two steps each.
+    from dtlib.bench.zero import train_rank
+    from dtlib.chapters.ch03_data_parallel import runs as ch03
+    from dtlib.chapters.ch05_tensor_parallel.runs import train_tp
+
+    for variant in ch03.VARIANTS:
+        ch03.train_replica(ch03.TINY, variant, 2, 2)
+    ch03.record_timeline(ch03.TINY, 2, 0.01, 1)
+    for impl, stage, bf16 in (("zero", 1, False), ("zero", 2, False),
+                              ("zero", 3, False), ("fsdp2", 3, True)):
+        train_rank(impl, stage, "gpt", steps=2, bf16=bf16)
+    for impl in ("ours", "dtensor"):
+        train_tp(ch03.TINY, impl, 4, 2)
     return {"loss_diff": max(pp[i]["loss_diff"] for i in pp if i != "ref_losses")}
 
 

@@ -111,7 +111,7 @@ def train_rank(impl: str = "zero", stage: int = 3, model: str = "gpt", steps: in
     net = net.to(device)
     x, y = x.chunk(world_size)[rank].to(device), y.chunk(world_size)[rank].to(device)
     n_params = sum(p.numel() for p in net.parameters())
-    init = {n: p.detach().clone() for n, p in net.named_parameters()}
+    init = {n: p.detach().cpu().clone() for n, p in net.named_parameters()}
     if impl == "zero":
         wrapped = ZeRO(net, stage, lr=lr, weight_decay=0.1)
         opt: Any = wrapped
