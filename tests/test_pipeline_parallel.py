@@ -228,3 +228,33 @@ def test_checkers_accept_right_and_reject_wrong(capsys):
     with pytest.raises(WrongAnswer):
         ex.check_peak_in_flight(lambda sch, s, p, m: m if sch == "gpipe" else p)
     assert capsys.readouterr().out.count("Correct") == 3
+
+
+def _frozen_first_stage(schedule: str) -> list[torch.Tensor]:
+    """Stage 0 frozen (fine-tuning): its output does not require grad."""
+    from dtlib.pipeline_parallel.schedules import pipeline_step
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4) for _ in range(p)]
+    stages[0].requires_grad_(False)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipeline_step(stages[rank], x, y, n_microbatches=4, act_shape=(2, 4),
+                  loss_fn=nn.functional.mse_loss, schedule=schedule)
+    return [q.grad for q in stages[rank].parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_frozen_first_stage(schedule, world_size):
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4) for _ in range(world_size)]
+    stages[0].requires_grad_(False)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    nn.functional.mse_loss(nn.Sequential(*stages)(x), y).backward()
+    got = launch.spawn(_frozen_first_stage, world_size, schedule, stream=False,
+                       timeout=60)
+    assert got[0] == [None, None]  # the frozen stage has no gradients
+    for stage, grads in zip(stages[1:], got[1:]):  # fp32, summation order: 1e-6
+        for want, g in zip(stage.parameters(), grads):
+            torch.testing.assert_close(g, want.grad, rtol=0, atol=1e-6)

@@ -330,11 +330,14 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
             grad = None if last else incoming["grad", i]
             sync(device)
             start = time.perf_counter() - t0
-            out.backward(grad)
+            if out.requires_grad:  # a frozen first stage's output needs none
+                out.backward(grad)
             sync(device)
             events.append(Event(rank, "B", i, start, time.perf_counter() - t0))
             if not first:
-                outgoing["grad", i] = x.grad
+                # no gradient reached x (nothing after it trains): send zeros
+                outgoing["grad", i] = x.grad if x.grad is not None \
+                    else torch.zeros_like(x)
             live -= 1
     if p > 1:  # every stage reports the loss the last one computed
         dist.broadcast(total_loss, src=peer(p - 1), group=group)
