@@ -29,7 +29,7 @@ from dtlib.chapters.ch08_gradient_accumulation.seed import (SEED_BATCH_SIZE, sca
                                      seed_accumulate, seed_epoch, seed_rebuilt_loader)
 from dtlib.chapters.ch03_data_parallel.runs import grads_of, params_of
 from dtlib.exercises import WrongAnswer
-from dtlib.exercises.accumulation import check_allreduce_calls, check_loss_scale
+from dtlib.exercises.accumulation import check_allreduce_calls
 from dtlib.models.gpt import build_gpt, token_batch
 
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
@@ -247,17 +247,6 @@ def test_ddp_accumulation_equals_large_batch(world_size: int) -> None:
         # Step 0 of torch DDP uses one bucket before it rebuilds them: skip it.
         assert quiet[1:] == [n_buckets] * (STEPS - 1)
         assert loud[1:] == [ACCUM * n_buckets] * (STEPS - 1)
-
-
-def test_check_loss_scale() -> None:
-    check_loss_scale(lambda counts: len(counts) / sum(map(sum, counts)))
-    for wrong in (lambda c: 1 / sum(map(sum, c)),  # forgot DDP's 1/world_size
-                  lambda c: len(c) / sum(c[0]),  # rank 0's count only
-                  lambda c: 1 / (len(c[0]) * len(c))):  # mean of means
-        with pytest.raises(WrongAnswer):
-            check_loss_scale(wrong)
-    with pytest.raises(WrongAnswer, match="averages"):
-        check_loss_scale(lambda c: 1 / sum(map(sum, c)))
 
 
 def test_check_allreduce_calls() -> None:

@@ -376,7 +376,7 @@ def test_column_parallel_checker(capsys) -> None:
 
 
 def _zero2_hook(param):
-    n, rank = dist.get_world_size(), dist.get_rank()
+    n = dist.get_world_size()
     flat = param.grad.reshape(-1)
     shard = torch.empty(flat.numel() // n, dtype=flat.dtype)
     dist.reduce_scatter_tensor(shard, flat)

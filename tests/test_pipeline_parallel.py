@@ -216,9 +216,6 @@ def test_causal_mask_blocks_the_future():
 
 
 def test_checkers_accept_right_and_reject_wrong(capsys):
-    ex.check_bubble_fraction(lambda p, m: (p - 1) / (m + p - 1))
-    with pytest.raises(WrongAnswer):
-        ex.check_bubble_fraction(lambda p, m: (p - 1) / m)
     ex.check_1f1b_order(lambda s, p, m: schedule_order("1f1b", s, p, m))
     with pytest.raises(WrongAnswer):
         ex.check_1f1b_order(lambda s, p, m: schedule_order("gpipe", s, p, m))
@@ -227,7 +224,7 @@ def test_checkers_accept_right_and_reject_wrong(capsys):
     ex.check_peak_in_flight(lambda sch, s, p, m: m if sch == "gpipe" else min(p - s, m))
     with pytest.raises(WrongAnswer):
         ex.check_peak_in_flight(lambda sch, s, p, m: m if sch == "gpipe" else p)
-    assert capsys.readouterr().out.count("Correct") == 3
+    assert capsys.readouterr().out.count("Correct") == 2
 
 
 def _frozen_first_stage(schedule: str) -> list[torch.Tensor]:

@@ -150,12 +150,7 @@ def test_checkers_accept_right_and_reject_wrong(capsys):
     ex.check_underflow_prediction(vals, [False, True, True], [False, False, False])
     with pytest.raises(WrongAnswer, match="1e-08"):
         ex.check_underflow_prediction(vals, [False, False, True], [False, False, False])
-    ex.check_scale_after([False, True, False, False], 1024.0, 2, 1024.0, 1)
-    with pytest.raises(WrongAnswer, match="final scale"):
-        ex.check_scale_after([False, True, False, False], 1024.0, 2, 512.0, 1)
-    with pytest.raises(WrongAnswer, match="skipped"):
-        ex.check_scale_after([False, True, False, False], 1024.0, 2, 1024.0, 0)
-    assert capsys.readouterr().out.count("Correct") == 3
+    assert capsys.readouterr().out.count("Correct") == 2
 
 
 def test_matmul_bench_records():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer
-from dtlib.exercises.tensor_parallel import check_f_g_placement, check_tp_numbers
+from dtlib.exercises.tensor_parallel import check_tp_numbers
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, copy_to_tp,
                                    full_linear, gather_from_tp, reduce_from_tp,
@@ -225,17 +225,6 @@ def test_without_f_gradients_are_wrong_and_ranks_diverge(reference: dict) -> Non
 
 
 # ---- checkers ----------------------------------------------------------------
-
-def test_placement_checker() -> None:
-    check_f_g_placement({"before_column": "f", "between": "none", "after_row": "g"})
-    for wrong in ({"before_column": "none", "between": "none", "after_row": "g"},
-                  {"before_column": "g", "between": "none", "after_row": "f"},
-                  {"before_column": "f", "between": "g", "after_row": "none"},
-                  {"before_column": "f", "between": "all_gather", "after_row": "g"},
-                  {"before": "f"}):
-        with pytest.raises(WrongAnswer):
-            check_f_g_placement(wrong)
-
 
 def test_numbers_checker() -> None:
     def right(h: int, b: int, s: int, tp: int) -> dict:

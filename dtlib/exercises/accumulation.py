@@ -21,40 +21,6 @@ def _scale_truth(token_counts: Sequence[Sequence[int]]) -> float:
     return world_size / sum(sum(rank) for rank in token_counts)
 
 
-@checker
-def check_loss_scale(scale: Callable[[list[list[int]]], float]) -> None:
-    """Check ``scale(token_counts) -> float``.
-
-    ``token_counts[rank][k]`` is the number of real tokens in micro-batch ``k`` of
-    ``rank`` (``len(token_counts)`` is the world size). The answer is the factor each
-    rank multiplies every micro-batch's *summed* token loss by before ``backward()``,
-    so that after DDP averages the ranks' gradients they equal the gradient of the
-    large batch's mean loss.
-    """
-    for case in SCALE_CASES:
-        counts = [list(rank) for rank in case]
-        got = scale([list(rank) for rank in case])
-        want = _scale_truth(counts)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            raise WrongAnswer(f"token_counts={counts}: expected a number, got "
-                              f"{type(got).__name__} {got!r}")
-        if math.isclose(got, want, rel_tol=1e-9):
-            continue
-        total = sum(sum(r) for r in counts)
-        hint = "count every real token of every rank's micro-batches"
-        if math.isclose(got, 1 / total, rel_tol=1e-9) and len(counts) > 1:
-            hint = ("DDP *averages* the ranks' gradients (divides by world_size); "
-                    "multiply that back")
-        elif any(sum(r) and math.isclose(got, 1 / sum(r), rel_tol=1e-9)
-                 for r in counts) and len(counts) > 1:
-            hint = ("a per-rank token count makes DDP average per-rank means; the "
-                    "normaliser must be the global count (one all-reduce per group)")
-        side = "too large" if got > want else "too small"
-        raise WrongAnswer(f"token_counts={counts}: you gave {got!r}, {side}.",
-                          f"{hint}.")
-    passed("each rank scales its summed loss by world_size / (global token count)")
-
-
 ALLREDUCE_CASES = ((1, 1, True), (1, 5, False), (4, 1, True), (4, 1, False),
                    (4, 7, True), (4, 7, False), (8, 3, True), (3, 3, False))
 

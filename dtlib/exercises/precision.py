@@ -52,26 +52,6 @@ def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
     passed("your underflow predictions match torch's casts")
 
 
-@checker
-def check_scale_after(flags: list[bool], init_scale: float, growth_interval: int,
-                      final_scale: float, skipped: int) -> None:
-    """Check the scale after a sequence of steps (True = overflow) and the skip count.
-
-    Growth factor 2, backoff factor 0.5, as GradScaler's defaults.
-    """
-    truth = simulate_scale(flags, init_scale, 2.0, 0.5, growth_interval)[-1]
-    n_skip = sum(bool(f) for f in flags)
-    check_close("final scale", final_scale, truth,
-                hint="halve after each overflow (and restart counting clean steps); "
-                     f"double after every {growth_interval} clean steps in a row")
-    if skipped != n_skip:
-        raise WrongAnswer(f"skipped steps: got {skipped!r}, "
-                          f"{'too many' if skipped > n_skip else 'too few'}.",
-                          "a step is skipped when, and only when, its gradients hold "
-                          "an inf or a nan ('Loss scaling')")
-    passed(f"scale {truth!r} after {len(flags)} steps, {n_skip} skipped")
-
-
 # ---- build it: one dynamic loss-scaler update that all ranks agree on ----------------
 
 #: Which rank's gradients overflow at each step (2 ranks): the ranks disagree at 2 and 5.

@@ -7,87 +7,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
-from dtlib.tensor_parallel.layers import (copy_to_tp, full_linear, reduce_from_tp, tp_rank,
-                                   tp_size)
 from dtlib.tensor_parallel.gpt import block_tp_numbers
-
-POSITIONS = ("before_column", "between", "after_row")
-CHOICES = ("none", "f", "g")
-_HIDDEN, _BATCH = 8, 3
-
-
-def _apply(op: str, x: torch.Tensor) -> torch.Tensor:
-    return {"none": lambda t: t, "f": copy_to_tp, "g": reduce_from_tp}[op](x)
-
-
-def _pair_with_ops(placement: dict[str, str]) -> dict[str, torch.Tensor]:
-    """On every rank: a column -> GELU -> row pair built from bare slices (no operator
-    inside the layers), with the learner's operators at the three positions."""
-    n, r = tp_size(), tp_rank()
-    fc, proj = full_linear(_HIDDEN, 4 * _HIDDEN, seed=1), full_linear(4 * _HIDDEN,
-                                                                      _HIDDEN, seed=2)
-    part = slice(r * 4 * _HIDDEN // n, (r + 1) * 4 * _HIDDEN // n)
-    x = torch.randn(_BATCH, _HIDDEN, generator=torch.Generator().manual_seed(0))
-    x.requires_grad_()
-    h = _apply(placement["before_column"], x)
-    h = F.gelu(F.linear(h, fc.weight[part], fc.bias[part]))  # (b, 4h/tp)
-    h = F.linear(_apply(placement["between"], h), proj.weight[:, part])  # partial sum
-    y = _apply(placement["after_row"], h) + proj.bias
-    y.pow(2).sum().backward()
-    return {"out": y.detach(), "grad": x.grad}
-
-
-def _reference() -> dict[str, torch.Tensor]:
-    fc, proj = full_linear(_HIDDEN, 4 * _HIDDEN, seed=1), full_linear(4 * _HIDDEN,
-                                                                      _HIDDEN, seed=2)
-    x = torch.randn(_BATCH, _HIDDEN, generator=torch.Generator().manual_seed(0))
-    x.requires_grad_()
-    y = proj(F.gelu(fc(x)))
-    y.pow(2).sum().backward()
-    return {"out": y.detach(), "grad": x.grad}
-
-
-@checker
-def check_f_g_placement(placement: dict[str, str], world_size: int = 2) -> None:
-    """Check where f and g go around a column -> row pair (MLP or attention).
-
-    ``placement`` maps each of :data:`POSITIONS` (before the column layer, between the
-    two layers, after the row layer) to one of :data:`CHOICES`. The checker builds the
-    pair with your operators on ``world_size`` real ranks and compares its output and
-    input gradient with one process.
-    """
-    if not isinstance(placement, dict) or set(placement) != set(POSITIONS):
-        raise WrongAnswer(f"placement must be a dict with exactly the keys "
-                          f"{POSITIONS}, got {placement!r}")
-    bad = {k: v for k, v in placement.items() if v not in CHOICES}
-    if bad:
-        raise WrongAnswer(f"{bad}: each position takes one of {CHOICES}")
-    ranks = launch.spawn(_pair_with_ops, world_size, placement, stream=False,
-                         timeout=60)
-    ref = _reference()
-    out_ok = all(torch.allclose(r["out"], ref["out"], rtol=1e-5, atol=1e-6)
-                 for r in ranks)
-    grad_ok = all(torch.allclose(r["grad"], ref["grad"], rtol=1e-5, atol=1e-6)
-                  for r in ranks)
-    if not out_ok:
-        raise WrongAnswer(
-            f"on {world_size} ranks the forward output differs from one process. Hint: "
-            "after the row layer each rank holds a partial sum over its slice of the "
-            "inner dimension; which operator sums in forward, and where must it sit? "
-            "(An operator that sums in forward anywhere else adds copies of the same "
-            "or unrelated tensors.)")
-    if not grad_ok:
-        raise WrongAnswer(
-            "the output is right but the gradient of the input differs from one "
-            "process. Hint: the input is replicated and every rank's column slice "
-            "uses it, so its gradient is the sum of the ranks' contributions; which "
-            "operator sums in backward only, and where does it go?")
-    f_at = [k for k, v in placement.items() if v == "f"]
-    g_at = [k for k, v in placement.items() if v == "g"]
-    passed(f"with f at {f_at} and g at {g_at}, output and input gradient on "
-           f"{world_size} ranks equal one process")
+from dtlib.tensor_parallel.layers import full_linear, tp_rank, tp_size
 
 
 @checker
