@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dtlib import train
 from dtlib.runtime import launch
+from dtlib.train import loop as train
 from dtlib.train.loop import DoesNotFit, check_memory, lr_lambda, main, prepare_model
 from dtlib.train.config import TrainConfig, parse_args
 
@@ -116,6 +116,19 @@ def test_fsdp_resume_survives_damage_and_refuses_another_world_size(tmp_path):
     with pytest.raises(launch.LaunchError, match="saved by 2 ranks; this job has 1"):
         launch.torchrun("dtlib.train", *BASE, *args, module=True, nproc=1,
                         stream=False, timeout=120)
+
+
+def test_four_rank_ddp_crash_and_resume_is_bit_exact(tmp_path):
+    """With 4 ranks the bucket layout changes the order of the ring's sums: the
+    resumed process settles DDP's buckets before its first step, as the fresh one."""
+    tmp = str(tmp_path)
+    straight = _run(tmp, "straight4", "--strategy", "ddp", nproc=4)
+    args = ("--strategy", "ddp", "--ckpt-dir", os.path.join(tmp, "ckpt"))
+    _run(tmp, "crash4", *args, "--stop-after", "5", nproc=4)
+    resumed = _run(tmp, "resume4", *args, nproc=4)
+    assert resumed["start_step"] == 3
+    assert resumed["param_sha256"] == straight["param_sha256"]
+    assert resumed["final_loss"] == straight["final_loss"]
 
 
 def test_accumulation_equals_the_large_micro_batch():
