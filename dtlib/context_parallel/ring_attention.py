@@ -8,7 +8,8 @@ already in flight. Softmax over blocks that arrive one at a time is the online s
 of FlashAttention: keep the running output ``o`` and the running log-sum-exp ``lse`` of
 each query row, and fold in a block with
 
-    lse' = log(exp(lse) + exp(lse_b)),   o' = o * exp(lse - lse') + o_b * exp(lse_b - lse')
+    lse' = log(exp(lse) + exp(lse_b))
+    o'   = o * exp(lse - lse') + o_b * exp(lse_b - lse')
 
 where ``o_b`` is the block's own softmax-weighted sum of values and ``lse_b`` its
 log-sum-exp. (Liu et al. 2023, Ring Attention; Dao et al. 2022 for the rescaling.)

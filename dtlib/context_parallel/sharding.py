@@ -82,7 +82,7 @@ def shard_for(x: torch.Tensor, dim: int, rank: int, cp: int) -> torch.Tensor:
 
 
 def unshard_from(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """Put the full sequence back together from every rank's shard (inverse of shard_for).
+    """The full sequence from every rank's shard (the inverse of :func:`shard_for`).
 
     Args:
         shards: ``[shard of rank 0, ..., shard of rank cp-1]``, equal shapes.
@@ -97,8 +97,8 @@ def unshard_from(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
         raise ValueError("shards must hold one tensor per rank, got an empty list")
     dim = _check(shards[0], dim, cp, "shards[0]")
     if shards[0].size(dim) % 2:
-        raise ValueError(f"shards have {shards[0].size(dim)} positions along dim={dim}; "
-                         "each must be two equal chunks (an even length)")
+        raise ValueError(f"shards have {shards[0].size(dim)} positions along "
+                         f"dim={dim}; each must be two equal chunks (an even length)")
     chunks: list[torch.Tensor | None] = [None] * (2 * cp)
     for rank, shard in enumerate(shards):
         early, late = chunk_ids(rank, cp)
@@ -116,7 +116,7 @@ def positions(local_len: int, rank: int, cp: int,
         cp: context-parallel group size.
         device: where to create the index tensor (the data's device).
     Returns:
-        A ``(local_len,)`` int64 tensor, e.g. cp=2, rank 0, local_len 4: ``[0, 1, 6, 7]``.
+        A ``(local_len,)`` int64 tensor; cp=2, rank 0, local_len 4: ``[0, 1, 6, 7]``.
 
     Taught in: Chapter 12, "Context parallelism".
     """
