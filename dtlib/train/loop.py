@@ -113,6 +113,29 @@ def next_micro_batch(data: SyntheticTokens, sampler: ResumableSampler,
     return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
 
+def settle_ddp_buckets(model: nn.Module, x: torch.Tensor) -> None:
+    """One forward and backward whose gradients are thrown away, so that DDP has
+    rebuilt its buckets before the first real step, in a fresh and a resumed run.
+
+    DDP's first backward records the order gradients become ready and its next
+    forward regroups the buckets by it. Bucket layout decides how gloo's ring cuts
+    each buffer, hence the order in which the ranks' values are added: with 2 ranks
+    a + b = b + a, with 4 the sums differ in the last bits. Without this, a resumed
+    process runs its first step on the initial buckets where the uninterrupted run
+    used rebuilt ones, and the 4-rank resume is not bit-exact. The generators are
+    restored, so no random draw is consumed.
+
+    Taught in: Chapter 9, "Exact resume under DDP".
+    """
+    rng = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
+    (logits_of(model(x)).float().sum() * 0.0).backward()
+    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, x.device)
+
+
 def prepare_model(model: nn.Module, strategy: str, device: torch.device,
                   precision: str = "fp32", sync_bn: bool | None = None) -> nn.Module:
     """BatchNorm -> SyncBatchNorm, move to ``device``, *then* wrap (ERRATA 33).
@@ -199,6 +222,8 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
                  f"{n_params:,} params, model states {states.total / GB:.4f} GB/device, global "
                  f"batch {cfg.micro_batch * cfg.accum_steps * ws} sequences"
                  + (f", resumed at step {start}" if start else ""))
+    if cfg.strategy == "ddp" and ws > 1:  # same buckets fresh or resumed (4 ranks)
+        settle_ddp_buckets(model, data.data[:cfg.micro_batch, :-1].to(device))
     losses: dict[int, float] = {}
     step, t0, loss = start, time.perf_counter(), float("nan")
     while step < cfg.steps:
