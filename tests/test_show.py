@@ -31,3 +31,13 @@ def test_show_a_line_range_and_bad_input() -> None:
         show(len)
     with pytest.raises(ValueError, match="at least one"):
         show()
+
+
+def test_show_by_markers_fails_loudly_when_the_text_is_gone() -> None:
+    part = show(install_stage3_hooks, start="for unit in", stop="gather_flat").sources[0]
+    assert part.code.splitlines()[0].strip().startswith("for unit in")
+    assert "gather_flat" in part.code.splitlines()[-1]
+    with pytest.raises(ValueError, match="start="):
+        show(install_stage3_hooks, start="no such line")
+    with pytest.raises(ValueError, match="stop="):
+        show(install_stage3_hooks, start="for unit in", stop="no such line")
