@@ -159,9 +159,21 @@ def _check_args(op: str, args: tuple, kwargs: dict) -> None:
             return
 
 
+def _called_by_torch() -> bool:
+    """Whether the collective was issued by torch itself (``all_gather_object``, DCP,
+    FSDP), past this file and the accounting wrappers: torch picks those devices."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename == __file__ or
+                                 frame.f_code.co_filename.endswith("accounting.py")):
+        frame = frame.f_back
+    return frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+
+
 def _wrap(op: str, fn: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _check_args(op, args, kwargs)
+        # batch_isend_irecv (torch) issues the isend/irecv of the caller's tensors
+        if op in ("isend", "irecv") or not _called_by_torch():
+            _check_args(op, args, kwargs)
         return fn(*args, **kwargs)
 
     wrapper.__name__ = fn.__name__

@@ -148,3 +148,22 @@ def test_torchrun_cells_keep_every_tensor_on_the_device(notebook, tmp_path):
         for rank in range(2):
             found = json.loads((out / f"{rank}.json").read_text())
             assert found == [], f"cell {k} of {notebook}, rank {rank}: {found}"
+
+
+CAPSTONE = (
+    "import runpy\n"
+    "sys.argv = ['dtlib.train', '--steps', '3', '--micro-batch', '2', '--dataset-size',"
+    " '64', '--log-every', '3', '--save-every', '2', '--strategy', {strategy!r},"
+    " '--ckpt-dir', {ckpt!r}]\n"
+    "runpy.run_module('dtlib.train', run_name='__main__')\n"
+)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_capstone_keeps_every_tensor_on_the_device(strategy, tmp_path):
+    script = tmp_path / "capstone.py"
+    script.write_text(PROLOGUE.format(here=HERE, out=str(tmp_path))
+                      + CAPSTONE.format(strategy=strategy, ckpt=str(tmp_path / "ckpt")))
+    launch.torchrun(script, nproc=2, timeout=180, stream=False)
+    for rank in range(2):  # training, and a checkpoint saved at step 2
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == []
