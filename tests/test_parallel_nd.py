@@ -105,6 +105,16 @@ def test_2d_layouts_equal_one_process(truth, dp, tp):
         assert by_dim["pp"]["send"] == by_dim["pp"]["recv"] == act
         grads = FP32 * sum(g.numel() for g in pipe["grads"].values())
         assert by_dim.get("dp", {}) == ({"all_reduce": grads} if dp > 1 else {})
+        # torch's schedule over FSDP2 stages: the same activations on pp (plus a
+        # few bytes of shape metadata on the first step); on dp one reduce-scatter
+        # of the stage's gradients after the last micro-batch, and the weights'
+        # all-gathers, repeated for every micro-batch
+        by_dim = comm_by_dim(per_layout["fsdp_pp"])
+        assert act <= by_dim["pp"]["send"] <= 1.01 * act
+        assert act <= by_dim["pp"]["recv"] <= 1.01 * act
+        if dp > 1:
+            assert by_dim["dp"]["reduce_scatter"] == grads
+            assert by_dim["dp"]["all_gather"] > 2 * grads
 
 
 def test_3d_dp_pp_tp_on_8_ranks(truth):

@@ -129,13 +129,19 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _install() -> None:
+    # One wrapper per function: torch.distributed.isend and distributed_c10d.isend
+    # must stay the same object, or P2POp's identity check rejects the op (it
+    # compares with distributed_c10d's own isend/irecv; pipelining passes dist.isend).
+    wrappers: dict[int, Callable[..., Any]] = {}
     for module in (dist, c10d):
         for name in _PY_OPS:
             fn = getattr(module, name, None)
             if fn is None or getattr(fn, "__dtlib_accounting__", False):
                 continue
             _SAVED[(module, name)] = fn
-            setattr(module, name, _wrap(name, fn))
+            if id(fn) not in wrappers:
+                wrappers[id(fn)] = _wrap(name, fn)
+            setattr(module, name, wrappers[id(fn)])
 
 
 def _uninstall() -> None:

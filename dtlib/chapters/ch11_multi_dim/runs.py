@@ -164,9 +164,7 @@ def train_fsdp_pp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
     """One rank of torch's pipeline over FSDP2 stages (``Schedule1F1B``).
 
     Returns:
-        As :func:`train_pp_dp` (this stage's tensors, gathered from their shards),
-        without ``comms``: ``P2POp`` accepts only the unwrapped ``isend``/``irecv``,
-        so the counting wrappers of ``count_comms`` cannot run inside the schedule.
+        As :func:`train_pp_dp` (this stage's tensors, gathered from their shards).
 
     Taught in: Chapter 11, "Pipeline inside, data parallel across".
     """
@@ -193,16 +191,17 @@ def train_fsdp_pp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
         idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
         rows = [data_shard(t, mesh["dp"].get_local_rank(), dp) for t in (idx, targets)]
         losses: list[torch.Tensor] = []
-        # not counted: P2POp rejects the counting wrapper around isend/irecv
-        if index == 0:
-            schedule.step(rows[0])
-        elif index == last:
-            schedule.step(target=rows[1], losses=losses)
-        else:
-            schedule.step()
+        with count_comms(functional=True) as log:
+            if index == 0:
+                schedule.step(rows[0])
+            elif index == last:
+                schedule.step(target=rows[1], losses=losses)
+            else:
+                schedule.step()
         loss = torch.stack(losses).sum().detach() if index == last else \
             torch.zeros((), device=world.device)
         if step == 0:
+            out["comms"] = _records(log)
             out["grads"] = {n: p.grad.full_tensor().cpu()
                             for n, p in stage.named_parameters()}
         opt.step()
