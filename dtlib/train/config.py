@@ -60,6 +60,9 @@ class TrainConfig:
         as a crash would (0: run to ``steps``).
     summary_json: rank 0 writes the run's losses and a parameter digest here.
     loss_scale: fp16 only: the loss scaler's first scale (GradScaler's init_scale).
+    tp: tensor-parallel degree (fsdp and the GPT only): a (dp, tp) device mesh,
+        DTensor TP inside each group of tp ranks, FSDP2 across dp; divides the
+        world size and n_heads (1: no tensor parallelism).
     """
 
     strategy: str = "ddp"
@@ -88,6 +91,7 @@ class TrainConfig:
     stop_after: int = 0
     summary_json: str | None = None
     loss_scale: float = 65536.0
+    tp: int = 1
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGIES)
@@ -129,6 +133,17 @@ class TrainConfig:
                                  "allowed: a file path")
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be < steps={self.steps}")
+        _int("tp", self.tp, minimum=1)
+        if self.tp > 1 and self.strategy != "fsdp":
+            raise ValueError(f"tp={self.tp} needs strategy='fsdp' (FSDP2 on the dp "
+                             f"dimension of a (dp, tp) mesh), not strategy="
+                             f"{self.strategy!r}; allowed with ddp: tp=1")
+        if self.tp > 1 and self.model != "gpt":
+            raise ValueError(f"tp={self.tp} is implemented for model='gpt' only, not "
+                             f"model={self.model!r}; allowed: tp=1")
+        if self.n_heads % self.tp:
+            raise ValueError(f"tp={self.tp} must divide n_heads={self.n_heads} (each "
+                             "rank computes whole heads); allowed: a divisor of it")
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError("precision='fp16' with strategy='fsdp' is not supported "
                              "(it needs a ShardedGradScaler); allowed: fp32, bf16")
@@ -196,19 +211,25 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:
-    """What depends on the world size: one global batch must fit in the dataset.
+    """What depends on the world size: ``tp`` divides it, and one global batch
+    (of ``world_size / tp`` data-parallel ranks) fits in the dataset.
 
     Raises:
-        ValueError: ``dataset_size`` smaller than ``micro_batch x accum_steps x
-            world_size`` (a step would find no data).
+        ValueError: ``tp`` not a divisor of ``world_size``; ``dataset_size``
+            smaller than ``micro_batch x accum_steps x dp`` (a step would find no
+            data).
 
     Taught in: Chapter 10, "The script's structure".
     """
-    batch = cfg.micro_batch * cfg.accum_steps * world_size
+    if world_size % cfg.tp:
+        raise ValueError(f"tp={cfg.tp} must divide the world size {world_size} "
+                         "(mesh dp x tp); allowed: a divisor of it")
+    dp = world_size // cfg.tp
+    batch = cfg.micro_batch * cfg.accum_steps * dp
     if cfg.dataset_size < batch:
         raise ValueError(f"dataset_size={cfg.dataset_size} is smaller than one global "
                          f"batch (micro_batch {cfg.micro_batch} x accum_steps "
-                         f"{cfg.accum_steps} x world_size {world_size} = {batch}); "
+                         f"{cfg.accum_steps} x dp ranks {dp} = {batch}); "
                          f"allowed: >= {batch}")
 
 

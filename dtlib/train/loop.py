@@ -19,16 +19,18 @@ import json
 import math
 import time
 from dataclasses import asdict
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtlib.runtime import dist as ddist
 from dtlib.checkpoint.state import ResumableSampler
+from dtlib.tensor_parallel.gpt import dtensor_parallelize
 from dtlib.zero.fsdp import bf16_policy, shard_fsdp2
 from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
 from dtlib.train.config import TrainConfig, parse_args
@@ -36,7 +38,7 @@ from dtlib.train.model import build_model, count_params, logits_of
 from dtlib.train.state import param_digest, resume, save_state
 
 __all__ = ["TrainConfig", "DoesNotFit", "SyntheticTokens", "check_memory",
-           "prepare_model", "lr_lambda", "main"]
+           "prepare_model", "clip_grad_norm", "lr_lambda", "main"]
 
 
 class DoesNotFit(RuntimeError):
@@ -137,7 +139,8 @@ def settle_ddp_buckets(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def prepare_model(model: nn.Module, strategy: str, device: torch.device,
-                  precision: str = "fp32", sync_bn: bool | None = None) -> nn.Module:
+                  precision: str = "fp32", sync_bn: bool | None = None,
+                  mesh: Any = None) -> nn.Module:
     """BatchNorm -> SyncBatchNorm, move to ``device``, *then* wrap (ERRATA 33).
 
     DDP and FSDP register the parameters and buffers they see when they wrap; a
@@ -151,6 +154,10 @@ def prepare_model(model: nn.Module, strategy: str, device: torch.device,
         device: this rank's device (from :mod:`dtlib.runtime.dist`: local rank, ERRATA 35).
         sync_bn: convert BatchNorm; None converts on CUDA only (DDP refuses
             SyncBatchNorm on CPU, where each rank keeps its own batch statistics).
+        mesh: fsdp with tensor parallelism: a 2-D ``DeviceMesh`` ("dp", "tp"); the
+            GPT's blocks are split across ``mesh["tp"]`` (Chapter 5's DTensor plan),
+            then FSDP2 shards across ``mesh["dp"]`` (TP inside, FSDP across, as
+            Chapter 11's ``fsdp_tp``).
     Returns:
         The wrapped model.
 
@@ -160,10 +167,36 @@ def prepare_model(model: nn.Module, strategy: str, device: torch.device,
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
     if strategy == "fsdp":
+        if mesh is not None:
+            dtensor_parallelize(model, mesh["tp"])
         return shard_fsdp2(model, mp_policy=bf16_policy() if precision == "bf16"
-                           else None)
+                           else None, mesh=None if mesh is None else mesh["dp"])
     # ERRATA 35: the device index is the LOCAL rank (dtlib.runtime.dist chose it), never RANK.
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``.
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms, which fails
+    when they are DTensors on different meshes: under FSDP2 x TP the blocks' weights
+    live on the 2-D (dp, tp) mesh, the embeddings and head on ``mesh["dp"]`` alone.
+    Here each norm is made a full (replicated) tensor first: one small collective
+    per parameter, on its own mesh.
+
+    Returns:
+        The total norm before clipping (a plain scalar tensor).
+
+    Taught in: Chapter 10, "One training script" (Chapter 11: several meshes).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
 
 
 def lr_lambda(step: int, warmup: int, steps: int, min_lr_ratio: float) -> float:
@@ -197,14 +230,21 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
     device_gb = (torch.cuda.get_device_properties(device).total_memory / GB
                  if device.type == "cuda" else None)
     states = check_memory(n_params, cfg.strategy, ws, device_gb)
+    # --tp: a (dp, tp) mesh, TP inside each row, data parallel across (Chapter 11).
+    dp = ws // cfg.tp
+    mesh = init_device_mesh(device.type, (dp, cfg.tp), mesh_dim_names=("dp", "tp")) \
+        if cfg.tp > 1 else None
+    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else world.rank
+    dp_group = mesh["dp"].get_group() if mesh is not None else None
     model: nn.Module = build_model(cfg)  # same weights on every rank
-    model = prepare_model(model, cfg.strategy, device, cfg.precision)
+    model = prepare_model(model, cfg.strategy, device, cfg.precision, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr,  # after wrapping (FSDP)
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(
         s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     data = SyntheticTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab_size, cfg.seed)
-    sampler = ResumableSampler(len(data), rank=world.rank, world_size=ws,
+    # Shard by dp rank only: the tp ranks of one row see the same batch.
+    sampler = ResumableSampler(len(data), rank=dp_rank, world_size=dp,
                                seed=cfg.seed)
     # fp16 needs a loss scaler, bf16 does not (Chapter 7); it is part of the state,
     # so it exists before resume() restores its scale.
@@ -217,10 +257,11 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
     use_autocast = low is not None and cfg.strategy == "ddp"
     # No padding in this data: the global token count of a step is known up front
     # (Chapter 8 all-reduces it when batches are ragged).
-    global_tokens = cfg.tokens_per_micro_batch * cfg.accum_steps * ws
+    global_tokens = cfg.tokens_per_micro_batch * cfg.accum_steps * dp
     ddist.rprint(f"{cfg.model}, {cfg.strategy} on {ws} x {device} ({world.backend}), "
                  f"{n_params:,} params, model states {states.total / GB:.4f} GB/device, global "
-                 f"batch {cfg.micro_batch * cfg.accum_steps * ws} sequences"
+                 f"batch {cfg.micro_batch * cfg.accum_steps * dp} sequences"
+                 + (f", mesh dp {dp} x tp {cfg.tp}" if mesh is not None else "")
                  + (f", resumed at step {start}" if start else ""))
     if cfg.strategy == "ddp" and ws > 1:  # same buckets fresh or resumed (4 ranks)
         settle_ddp_buckets(model, data.data[:cfg.micro_batch, :-1].to(device))
@@ -243,13 +284,16 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
                     logits = logits_of(model(x))  # a HF model: ModelOutput.logits
                 tok_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
                                            reduction="sum")
-                # DDP/FSDP average over ranks: x ws turns it into the global mean.
-                scaled = tok_loss * (ws / global_tokens)
+                # DDP/FSDP average over the dp ranks: x dp turns it into the global
+                # mean (the tp ranks of a row hold the same, replicated, loss).
+                scaled = tok_loss * (dp / global_tokens)
                 (scaler.scale(scaled) if scaler else scaled).backward()
             loss_sum += tok_loss.detach()
         if scaler:
             scaler.unscale_(opt)
-        if cfg.grad_clip > 0:
+        if cfg.grad_clip > 0 and mesh is not None:  # DTensors on two meshes
+            clip_grad_norm(list(model.parameters()), cfg.grad_clip)
+        elif cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if scaler:
             scaler.step(opt)
@@ -259,8 +303,8 @@ def _train(cfg: TrainConfig, world: ddist.World) -> float:
         opt.zero_grad(set_to_none=True)
         sched.step()
         step += 1
-        if ws > 1:
-            dist.all_reduce(loss_sum)  # for logging: the global mean loss
+        if dp > 1:  # for logging: the global mean loss (over dp: tp ranks agree)
+            dist.all_reduce(loss_sum, group=dp_group)
         loss = losses[step] = float(loss_sum) / global_tokens
         if cfg.ckpt_dir and (step % cfg.save_every == 0 or step == cfg.steps):
             save_state(cfg, step, model, opt, sched, sampler, scaler)

@@ -4,7 +4,9 @@ DDP: the model is replicated, so :func:`dtlib.checkpoint.save_checkpoint` writes
 atomic file from rank 0 with every rank's sampler and RNG state. FSDP2: every rank holds
 a shard, so every rank writes: a ``torch.distributed.checkpoint`` directory for the
 sharded model and optimizer, plus one small file per rank for its scheduler, sampler
-and RNG state, renamed into place once all are written.
+and RNG state, renamed into place once all are written. With ``--tp`` the same code
+saves and loads 2-D DTensors (FSDP shard on dp x TP split on tp): DCP stores each
+rank's local pieces with their offsets in the full tensors.
 
 Taught in: Chapter 10, "Crash and resume" (the formats: Chapter 9).
 """
@@ -86,7 +88,7 @@ def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: A
                 os.path.join(tmp, f"rank{rank}.pt"))
     dist.barrier()
     if rank == 0:  # every file is written: hash them all (a load verifies first)
-        write_manifest(tmp, world_size=dist.get_world_size(), step=step)
+        write_manifest(tmp, world_size=dist.get_world_size(), step=step, tp=cfg.tp)
         if os.path.isdir(final):  # a damaged save of this step, resumed from before
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -123,6 +125,11 @@ def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
         raise ValueError(f"{path} was saved by {manifest['world_size']} ranks; this "
                          f"job has {ws}. Resume with {manifest['world_size']} ranks "
                          "(the sampler and RNG states are per rank)")
+    if manifest.get("tp", 1) != cfg.tp:  # the same ranks, cut into another mesh
+        raise ValueError(f"{path} was saved with tp={manifest.get('tp', 1)}; this "
+                         f"job has tp={cfg.tp}. Resume with --tp "
+                         f"{manifest.get('tp', 1)} (each rank's sampler file belongs "
+                         "to its dp coordinate)")
     msd, osd = get_state_dict(model, opt)  # initialises the optimizer's state
     state = {"model": msd, "optim": osd}
     safe_dcp_load(state, path)  # no pickle of the directory is run

@@ -40,7 +40,7 @@ def bf16_policy() -> MixedPrecisionPolicy:
 
 def shard_fsdp2(model: nn.Module, unit_modules: list[nn.Module] | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, mesh: Any = None) -> nn.Module:
     """Apply ``fully_shard`` to each unit (default: each block), then to the root.
 
     Args:
@@ -50,6 +50,8 @@ def shard_fsdp2(model: nn.Module, unit_modules: list[nn.Module] | None = None,
         mp_policy: e.g. :func:`bf16_policy`; ``None`` keeps fp32 everywhere.
         reshard_after_forward: True frees gathered parameters after forward (ZeRO-3);
             False keeps them until backward (ZeRO-2-like: no second all-gather).
+        mesh: the ``DeviceMesh`` to shard over (e.g. ``mesh["dp"]`` of a 2-D mesh
+            whose "tp" dimension already holds DTensor TP weights); None: all ranks.
     Returns:
         ``model``, now sharded in place (its class becomes an FSDP subclass).
 
@@ -58,6 +60,8 @@ def shard_fsdp2(model: nn.Module, unit_modules: list[nn.Module] | None = None,
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     units = default_unit_modules(model) if unit_modules is None else unit_modules
     for unit in units:
         fully_shard(unit, **kwargs)
