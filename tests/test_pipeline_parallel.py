@@ -25,8 +25,9 @@ from dtlib.pipeline_parallel.split import (balance, balanced_layers, gpt_layer_c
                                      layers_from_split_points, split_gpt, stage_costs)
 from dtlib.chapters.ch06_pipeline_parallel.seed import (UnmaskedSelfAttention, future_influence,
                              token_future_influence)
-from dtlib.chapters.ch06_pipeline_parallel.runs import (IMPLS, PP_GPT, compare_all, lm_loss, reference_training,
-                              train_teaching)
+from dtlib.chapters.ch06_pipeline_parallel.runs import (IMPLS, LR, PP_GPT, compare_all,
+                                                       lm_loss, reference_training,
+                                                       train_teaching)
 from dtlib.pipeline_parallel.schedules import (bubble_fraction, idle_fractions, in_flight_peak,
                                 pipeline_step, schedule_order, simulate)
 
@@ -94,7 +95,15 @@ def test_fewer_microbatches_than_stages_and_subgroups():
     per_rank = runs(4)
     for r in per_rank:
         for impl in ("teaching-gpipe", "teaching-1f1b"):
-            assert r["few_mb"][impl]["param_diff"] <= PARAM_ATOL
+            res = r["few_mb"][impl]
+            assert res["loss_diff"] <= LOSS_ATOL, res
+            assert res["grad_diff"] <= GRAD_ATOL, res
+            # Parameters: an embedding entry whose step-1 gradient is ~1e-9 (token 11
+            # occurs once) gets AdamW's normalised step m/sqrt(v) ~ +-0.74 lr whose sign
+            # is float noise; on this batch the two runs step it in opposite directions.
+            # Losses and gradients above are the exact check; a parameter can differ by
+            # at most two such steps.
+            assert res["param_diff"] <= 2 * LR, res
         assert r["subgroup"] <= PARAM_ATOL
 
 
