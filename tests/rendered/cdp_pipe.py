@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import io
 import json
 import os
 import select
@@ -164,15 +165,26 @@ class Browser:
             raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def screenshot(self, path: Path, max_height: int = 30000) -> None:
-        """Save a PNG of the whole page (cut at ``max_height`` CSS pixels)."""
+    def screenshot(self, path: Path, max_height: int = 40000, tile: int = 1500) -> None:
+        """Save a PNG of the whole page (cut at ``max_height`` CSS pixels).
+
+        One capture taller than the compositor's largest surface (about 16k pixels)
+        comes back blank below it, so the page is captured in tiles and stitched.
+        """
+        from PIL import Image  # matplotlib's dependency: always there with the book
+
         width, height = self.evaluate(
             "[document.documentElement.scrollWidth, document.documentElement.scrollHeight]")
-        shot = self.send("Page.captureScreenshot", timeout=120, format="png",
-                         captureBeyondViewport=True,
-                         clip={"x": 0, "y": 0, "width": width,
-                               "height": min(height, max_height), "scale": 1})
-        path.write_bytes(base64.b64decode(shot["data"]))
+        height = min(height, max_height)
+        page = Image.new("RGB", (width, height), "white")
+        for top in range(0, height, tile):
+            clip = {"x": 0, "y": top, "width": width,
+                    "height": min(tile, height - top), "scale": 1}
+            shot = self.send("Page.captureScreenshot", timeout=120, format="png",
+                             captureBeyondViewport=True, clip=clip)
+            part = Image.open(io.BytesIO(base64.b64decode(shot["data"])))
+            page.paste(part.convert("RGB"), (0, top))
+        page.save(path)
 
     def close(self) -> None:
         """End the browser process and remove its throw-away profile."""
