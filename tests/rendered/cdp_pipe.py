@@ -43,6 +43,16 @@ FLAGS = [
     "--remote-debugging-pipe",
 ]
 
+EAGER_IMAGES_JS = """
+(async () => {
+  const imgs = [...document.images];
+  imgs.forEach(i => { i.loading = "eager"; });
+  await Promise.all(imgs.map(i => i.complete ? null :
+      new Promise(r => { i.addEventListener("load", r); i.addEventListener("error", r); })));
+  return imgs.length;
+})()
+"""
+
 INSTALL_HINT = ("install Chromium: `apt-get install -y chromium` (Debian/Ubuntu), "
                 "or set CHROMIUM=/path/to/chrome")
 
@@ -154,6 +164,9 @@ class Browser:
             here = self.evaluate("[location.href, document.readyState, !!document.body]")
             if here == [url, "complete", True]:
                 break
+        # Images below the fold are lazy: load them all now, so that sizes are known
+        # and the layout does not move while it is measured or photographed.
+        self.evaluate(EAGER_IMAGES_JS, timeout)
         return [ev["params"]["request"]["url"] for ev in self.events
                 if ev["method"] == "Network.requestWillBeSent"]
 
