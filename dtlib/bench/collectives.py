@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from dtlib.collectives import cost_model as comm_cost
 from dtlib.runtime import launch
-
 from dtlib.runtime.dist import sync, world
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 DEFAULT_SIZES = ("1K", "16K", "256K", "1M", "4M", "16M", "64M")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -85,8 +85,8 @@ def time_collectives(sizes: list[int], ops: list[str], budget: float) -> list[di
     0 decides and broadcasts it).
     """
     n, rank = dist.get_world_size(), dist.get_rank()
-    records = []
     dev = world().device  # NCCL needs every buffer, even a timer's, on the GPU
+    records = []
     for op in ops:
         for nbytes in sizes:
             numel = max(n, nbytes // 4 // n * n)  # float32, divisible by n
@@ -106,11 +106,11 @@ def time_collectives(sizes: list[int], ops: list[str], budget: float) -> list[di
             for i in range(int(iters.item())):
                 for impl, call in calls.items():
                     dist.barrier()
-                    t0 = time.perf_counter()
                     sync()  # CUDA: time the work, not the queueing of it
+                    t0 = time.perf_counter()
                     call()
-                    times[impl][i] = time.perf_counter() - t0
                     sync()
+                    times[impl][i] = time.perf_counter() - t0
             for impl in calls:
                 dist.all_reduce(times[impl], op=dist.ReduceOp.MAX)
                 t = times[impl].median().item()
