@@ -17,6 +17,11 @@ Rules:
 4. matplotlib, IPython and ipywidgets are imported only in figure code
    (``chapters/*/figures.py``) and the notebook magic (``runtime/magic.py``).
 5. No import cycle between modules (lazy imports inside functions count).
+6. The capstone (``train``) sits above every technique it combines, ``parallel_nd``
+   included.
+7. One loop: outside ``dtlib.models.run.run_steps`` no function loops over a
+   backward and an optimizer step (the seed's own loops stay in ``seed.py``).
+8. No module imports another module's private (``_``-prefixed) name.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ ROOT = Path(__file__).resolve().parents[1] / "dtlib"
 CHAPTER_OF = {
     "models": 0, "memory": 1, "collectives": 2, "data_parallel": 3, "zero": 4,
     "tensor_parallel": 5, "pipeline_parallel": 6, "precision": 7, "accumulation": 8,
-    "checkpoint": 9, "train": 10, "parallel_nd": 11, "planner": 11,
-    "context_parallel": 12,
+    "checkpoint": 9, "parallel_nd": 11, "planner": 11, "context_parallel": 12,
+    # The capstone is taught in Chapter 10 but combines every technique (Chapter 11's
+    # FSDP x TP included): it sits above them all in the import order.
+    "train": 100,
 }
 LAUNCHER = {"launch", "supervise", "worker", "diagnose", "magic"}
 FIGURE_ONLY = ("matplotlib", "IPython", "ipywidgets")
@@ -186,3 +193,84 @@ def test_packages_state_their_public_api() -> None:
     for init in ROOT.glob("*/__init__.py"):
         text = init.read_text()
         assert ast.get_docstring(ast.parse(text)), f"{init} has no docstring"
+
+
+#: Calls that run a backward pass inside a loop that also steps an optimizer.
+BACKWARD_CALLS = {"backward", "accumulate_gradients", "forward_backward",
+                  "pipeline_step", "step_fn"}
+#: Where a loop over backward and step is allowed: the loop itself, and the seed's
+#: own loops reproduced as they were written (``chapters/*/seed.py``).
+LOOP_HOME = "dtlib.models.run"
+
+
+def _called(node: ast.AST) -> set[str]:
+    names = set()
+    for c in ast.walk(node):
+        if isinstance(c, ast.Call):
+            f = c.func
+            names.add(f.attr if isinstance(f, ast.Attribute)
+                      else f.id if isinstance(f, ast.Name) else "")
+    return names
+
+
+def training_loops(root: Path = ROOT) -> list[str]:
+    """Every function outside the one loop that loops over backward and step."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        mod = module_name(path, root)
+        if mod == LOOP_HOME or mod.endswith(".seed"):
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for loop in ast.walk(fn):
+                if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
+                    calls = _called(loop)
+                    if "step" in calls and calls & BACKWARD_CALLS:
+                        found.append(f"{mod}.{fn.name} (line {loop.lineno})")
+                        break
+    return found
+
+
+def private_imports(root: Path = ROOT) -> list[str]:
+    """``from dtlib.x import _y`` in a module other than ``dtlib.x``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        mod = module_name(path, root)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module \
+                    and node.module.split(".")[0] == "dtlib":
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{mod} imports {node.module}.{a.name}")
+    return found
+
+
+def test_one_training_loop() -> None:
+    found = training_loops()
+    assert not found, ("loops over backward and optimizer step outside run_steps "
+                       "(use dtlib.models.run.run_steps with a Parallelism):\n"
+                       + "\n".join(found))
+
+
+def test_one_loop_rule_catches_a_planted_loop(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    with open(root / "zero" / "units.py", "a") as f:
+        f.write("\n\ndef train(model, opt, batches):\n"
+                "    for x in batches:\n"
+                "        model(x).sum().backward()\n"
+                "        opt.step()\n")
+    assert any(v.startswith("dtlib.zero.units.train") for v in training_loops(root))
+
+
+def test_no_private_imports() -> None:
+    found = private_imports()
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_private_import_rule_catches_a_planted_import(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    with open(root / "zero" / "units.py", "a") as f:
+        f.write("\nfrom dtlib.zero.flat_params import _hidden\n")
+    assert "dtlib.zero.units imports dtlib.zero.flat_params._hidden" \
+        in private_imports(root)

@@ -2,9 +2,11 @@
 
 Each strategy chapter trains the same GPT twice: once split across ranks, once here on
 one process with the whole batch, and compares losses, the first step's gradients and
-the parameters after the last step.
+the parameters after the last step. The reference is the one loop
+(:func:`dtlib.models.run.run_steps`) with the identity ``Parallelism()``: the parallel
+runs and the truth differ only in the technique plugged in.
 
-Taught in: Chapter 3 ("Equal to one process"); used by Chapters 5, 6 and 8.
+Taught in: Chapter 3 ("Equal to one process"); used by every parallel chapter.
 """
 
 from __future__ import annotations
@@ -15,67 +17,71 @@ import torch
 import torch.nn as nn
 
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.models.run import Parallelism, RunResult, gpt_loss, run_steps, \
+    tensors_by_name
+
+__all__ = ["grads_of", "params_of", "gpt_loss", "train_reference", "reference_gpt_run",
+           "gpt_batches"]
 
 
 def grads_of(module: nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of every gradient, by parameter name (a tied weight once)."""
-    return {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()
-            if p.grad is not None}
+    return tensors_by_name(module, grads=True)
 
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of every parameter, by name."""
-    return {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+    return tensors_by_name(module)
 
 
-def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The GPT's own mean cross-entropy (``model(idx, targets)[1]``)."""
-    return model(idx, targets)[1]
+def gpt_batches(cfg: GPTConfig, batch: int, device: Any = "cpu"):
+    """``batch_fn`` of the proofs: step ``k`` trains on ``token_batch(cfg, batch,
+    seed=k)``, the same global batch on every rank and in the reference."""
+    return lambda step: token_batch(cfg, batch, seed=step, device=device)
 
 
 def train_reference(model: nn.Module, batches: Iterable[tuple[Any, ...]], *,
                     optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-3,
-                    loss_fn: Callable[..., torch.Tensor] = gpt_loss) -> dict[str, Any]:
-    """Train ``model`` on one process, one optimizer step per batch.
+                    loss_fn: Callable[..., torch.Tensor] = gpt_loss,
+                    optimizer_class: type = torch.optim.AdamW,
+                    **optimizer_kwargs: Any) -> RunResult:
+    """Train ``model`` on one process, one optimizer step per batch of ``batches``.
 
     Args:
         model: the full model.
-        batches: one ``(inputs, targets)`` (or any argument tuple of ``loss_fn`` after
-            the model) per step: the whole global batch of that step.
-        optimizer: default AdamW at ``lr``.
-        lr: learning rate of the default optimizer.
+        batches: one argument tuple of ``loss_fn`` after the model per step (the
+            whole global batch of that step).
+        optimizer: an optimizer over ``model``'s parameters, or None to build
+            ``optimizer_class(lr=lr, **optimizer_kwargs)``.
         loss_fn: ``loss_fn(model, *batch)`` returns the scalar loss.
     Returns:
-        ``{"losses": [loss per step], "grads": the first step's gradients,
-        "params": parameters after the last step}`` (CPU copies, by name).
+        A :class:`~dtlib.models.run.RunResult`.
 
     Taught in: Chapter 3, "Equal to one process".
     """
-    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"losses": [], "grads": {}}
-    for step, batch in enumerate(batches):
-        loss = loss_fn(model, *batch)
-        loss.backward()
-        if step == 0:
-            out["grads"] = grads_of(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    out["params"] = params_of(model)
-    return out
+    batches = list(batches)
+    return run_steps(Parallelism(), model, batches.__getitem__, len(batches),
+                     optimizer=optimizer, loss_fn=loss_fn,
+                     optimizer_class=optimizer_class,
+                     optimizer_kwargs={"lr": lr, **optimizer_kwargs})
 
 
 def reference_gpt_run(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
-                      seed: int = 0) -> dict[str, Any]:
+                      seed: int = 0, optimizer_class: type = torch.optim.AdamW,
+                      **optimizer_kwargs: Any) -> RunResult:
     """The single-process run every data- and tensor-parallel proof compares against.
 
-    ``build_gpt(cfg, seed)`` trains ``steps`` AdamW steps at ``lr``; step ``k`` uses
-    ``token_batch(cfg, batch, seed=k)``, the whole global batch.
+    ``build_gpt(cfg, seed)`` trains ``steps`` steps of ``optimizer_class`` at ``lr``
+    (AdamW by default; the proofs of a trajectory use SGD with momentum, whose step
+    is smooth in the gradient); step ``k`` uses ``token_batch(cfg, batch, seed=k)``,
+    the whole global batch.
 
     Returns:
-        As :func:`train_reference`.
+        A :class:`~dtlib.models.run.RunResult` (``["losses"]``, ``["grads"]``,
+        ``["params"]``).
 
-    Taught in: Chapter 3, "Equal to one process"; reused by Chapters 5 and 8.
+    Taught in: Chapter 3, "Equal to one process"; reused by every parallel chapter.
     """
-    batches = (token_batch(cfg, batch, seed=step) for step in range(steps))
-    return train_reference(build_gpt(cfg, seed), batches, lr=lr)
+    return run_steps(Parallelism(), build_gpt(cfg, seed), gpt_batches(cfg, batch),
+                     steps, optimizer_class=optimizer_class,
+                     optimizer_kwargs={"lr": lr, **optimizer_kwargs})
