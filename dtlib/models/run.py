@@ -205,7 +205,7 @@ def run_steps(par: Parallelism, model: nn.Module,
               optimizer_kwargs: dict[str, Any] | None = None,
               loss_fn: LossFn = gpt_loss,
               step_fn: Callable[..., torch.Tensor] | None = None,
-              start: int = 0, wrapped: nn.Module | None = None,
+              start: int = 0, local: bool = False, wrapped: nn.Module | None = None,
               optimizer: torch.optim.Optimizer | None = None,
               scheduler: Any = None, scaler: Any = None,
               autocast_dtype: torch.dtype | None = None,
@@ -224,6 +224,8 @@ def run_steps(par: Parallelism, model: nn.Module,
         batch_fn: ``batch_fn(step)`` -> the *global* batch of that step (every rank
             computes the same); ``par.local_batch`` cuts this rank's part.
         steps: the step to stop at (exclusive); ``start`` the first (a resume).
+        local: ``batch_fn`` already returns this rank's part (a per-rank sampler, as
+            in the capstone): ``par.local_batch`` is not applied.
         optimizer_class, optimizer_kwargs: the optimizer ``par.make_optimizer``
             builds (default AdamW at torch's defaults).
         loss_fn: ``loss_fn(wrapped, *local_batch)`` -> scalar loss.
@@ -264,11 +266,13 @@ def run_steps(par: Parallelism, model: nn.Module,
         counting = comms() if comms is not None and step == comms_step \
             else contextlib.nullcontext()
         with counting as log:
-            local = par.local_batch(batch_fn(step))
+            batch = batch_fn(step)
+            if not local:
+                batch = par.local_batch(batch)
             amp = torch.autocast(device.type, dtype=autocast_dtype) \
                 if autocast_dtype is not None else contextlib.nullcontext()
             with amp:
-                loss = step_fn(par, wrapped, local, loss_fn, scaler=scaler)
+                loss = step_fn(par, wrapped, batch, loss_fn, scaler=scaler)
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if step == start and record_grads:
