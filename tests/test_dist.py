@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dtlib.runtime import dist as ddist, launch
+from dtlib.runtime.device_memory import memory_stats
 
 
 def test_gloo_is_chosen_on_a_cpu_machine(monkeypatch) -> None:
@@ -69,16 +70,16 @@ def test_a_lone_process_is_a_world_of_one(monkeypatch) -> None:
 
 
 def test_memory_stats_on_cpu_names_current_and_peak() -> None:
-    before = ddist.memory_stats("cpu")
+    before = memory_stats("cpu")
     block = torch.ones(64, 2**20 // 4 * 1)  # 64 MiB
     block += 1
-    after = ddist.memory_stats("cpu")
+    after = memory_stats("cpu")
     assert after.device == "cpu" and after.reserved_bytes is None
     assert after.peak_bytes >= after.current_bytes > 0
     assert after.current_bytes - before.current_bytes > 32 * 2**20
     assert "peak" in str(after)
     with pytest.raises(ValueError, match="device=meta"):
-        ddist.memory_stats("meta")
+        memory_stats("meta")
 
 
 def test_rprint_prints_on_rank_zero_only(capsys, monkeypatch) -> None:

@@ -232,7 +232,7 @@ def check_matmul(n: int, timeout: float) -> tuple[bool, str]:
 def check_memory(n: int, timeout: float) -> tuple[bool, str]:
     from dtlib.memory.formulas import TrainingConfig, estimate
     from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-    from dtlib.runtime.dist import memory_stats
+    from dtlib.runtime.device_memory import memory_stats
 
     cfg = GPTConfig(vocab_size=8192, seq_len=1024, n_layers=12, hidden=768,
                     n_heads=12)
