@@ -51,9 +51,10 @@ $(BIN)/.lab-installed: $(BIN)/.installed
 	touch $@
 
 # Trusted, so that jupyterlab-myst evaluates the copies' {eval} roles (they are ours).
+# JupyterLab refuses to start as root without --allow-root (containers, CI machines).
 lab: $(BIN)/.lab-installed exercises
 	$(BIN)/jupyter trust exercises/*.ipynb
-	$(BIN)/jupyter lab exercises/
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) exercises/
 
 ## Removes build outputs only: exercises/ holds the learner's work and is never removed.
 clean:
