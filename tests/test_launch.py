@@ -113,7 +113,10 @@ DEADLOCK = """
 """
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# Four ranks only: the report's per-rank lines are the same code for any count, and a
+# two-rank hang is already reported through spawn above (each case waits the whole
+# timeout, so a second world size costs 30 s and proves nothing new).
+@pytest.mark.parametrize("nproc", [4])
 def test_torchrun_deadlock_is_stopped_and_reported(tmp_path, nproc, no_leftovers) -> None:
     script = _script(tmp_path, DEADLOCK)
     start = time.monotonic()
