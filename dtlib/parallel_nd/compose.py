@@ -33,7 +33,7 @@ from dtlib.models.gpt import GPT
 from dtlib.parallel_nd.grid import GridGroups
 from dtlib.pipeline_parallel.split import GPTStage, split_gpt
 from dtlib.tensor_parallel.gpt import dtensor_parallelize, tensor_parallelize
-from dtlib.zero.fsdp import fully_shard
+from dtlib.zero.fsdp import fully_shard, shard_fsdp2
 
 
 def tp_inside_dp(model: GPT, grid: GridGroups) -> DataParallel:
@@ -52,7 +52,7 @@ def tp_inside_dp(model: GPT, grid: GridGroups) -> DataParallel:
     if set(grid.groups) != {"dp", "tp"}:
         raise ValueError(f"grid dims {grid.names} must be ('dp', 'tp')")
     tensor_parallelize(model, grid.groups["tp"])
-    return DataParallel(model, mode="bucketed", group=grid.groups["dp"])
+    return DataParallel(model, variant="bucketed", group=grid.groups["dp"])
 
 
 def pipeline_stage_of(model: GPT, grid: GridGroups) -> GPTStage:
@@ -111,22 +111,22 @@ def fsdp_pipeline_stage(model: GPT, mesh: Any) -> tuple[GPTStage, Any]:
                                 group=mesh["pp"].get_group())
 
 
-def fsdp_tp(model: GPT, mesh: Any) -> GPT:
+def fsdp_tp(model: GPT, mesh: Any, mp_policy: Any = None) -> GPT:
     """FSDP2 across ``mesh["dp"]`` over DTensor tensor parallelism on ``mesh["tp"]``.
 
     Args:
         model: a full GPT, identical on every rank.
         mesh: a 2-D ``DeviceMesh`` with ``mesh_dim_names=("dp", "tp")``.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` (e.g. ``bf16_policy()``) or
+            None (fp32 everywhere).
     Returns:
         ``model``, sharded in place (each block its own FSDP unit, then the root).
 
     Taught in: Chapter 11, "Two dimensions, ours and torch's".
     """
     dtensor_parallelize(model, mesh["tp"])
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
+    return shard_fsdp2(model, list(model.blocks), mp_policy=mp_policy,
+                       mesh=mesh["dp"])
 
 
 def hsdp(model: GPT, mesh: Any) -> GPT:
