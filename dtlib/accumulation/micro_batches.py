@@ -1,4 +1,5 @@
-"""Gradient accumulation that equals the large batch: token-normalised, DDP-aware.
+"""Gradient accumulation that equals the large batch: token-normalised, on any
+technique (its Parallelism says how to skip a synchronisation).
 
 Accumulating ``accum_steps`` micro-batches before one optimizer step must give the
 gradient of the *large-batch* loss, the mean over every real (non-padding) token of the
@@ -11,13 +12,15 @@ so each micro-batch backpropagates ``L_i / T``: a *sum* loss divided by the grou
 total, not its own mean divided by ``accum_steps`` (the mean of means is wrong when
 micro-batches hold different numbers of tokens, ERRATA 29; dividing a remainder group
 of ``r < accum_steps`` micro-batches by ``accum_steps`` makes its gradient
-``r/accum_steps`` of the right one, ERRATA 28). Under data parallelism DDP *averages*
-the ranks' gradients, ``(1/N) sum_r g_r``, so each rank backpropagates
+``r/accum_steps`` of the right one, ERRATA 28). Under data parallelism backward
+*averages* the ranks' gradients, ``(1/N) sum_r g_r``, so each rank backpropagates
 ``N * L_i / T_global`` and the average is ``sum_{r,i} grad L_{r,i} / T_global``: the
 large batch's gradient. ``T_global`` needs one all-reduce of a single integer per
 group (ranks hold different numbers of tokens).
-All micro-batches but the last run inside ``model.no_sync()``: one gradient
-synchronisation per optimizer step, not one per micro-batch (ERRATA 31).
+All micro-batches but the last run inside ``par.grad_sync(model, on=False)`` (DDP's
+``no_sync``, FSDP2's ``set_requires_gradient_sync``): one gradient synchronisation per
+optimizer step, not one per micro-batch (ERRATA 31). ``accumulation_step`` hands the
+same function to the one loop, :func:`~dtlib.models.run.run_steps`.
 
 Taught in: Chapter 8, "Gradient accumulation".
 """
@@ -34,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtlib.models.run import Parallelism, run_steps
 from dtlib.runtime import dist as ddist
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it are padding
@@ -77,6 +81,12 @@ def token_loss_sum(model: nn.Module, micro_batch: MicroBatch,
                            ignore_index=ignore_index, reduction="sum")
 
 
+def _check_accum_steps(accum_steps: Any) -> None:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) \
+            or accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps!r} must be a positive integer")
+
+
 def micro_batch_groups(loader: Iterable[Any], accum_steps: int
                        ) -> Iterator[list[Any]]:
     """Consecutive groups of ``accum_steps`` micro-batches; the last may be shorter.
@@ -92,9 +102,7 @@ def micro_batch_groups(loader: Iterable[Any], accum_steps: int
 
     Taught in: Chapter 8, "The remainder group".
     """
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) \
-            or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r} must be a positive integer")
+    _check_accum_steps(accum_steps)
     group: list[Any] = []
     for micro_batch in loader:
         group.append(micro_batch)
@@ -105,98 +113,152 @@ def micro_batch_groups(loader: Iterable[Any], accum_steps: int
         yield group
 
 
-def _dp_group(model: nn.Module) -> tuple[bool, Any]:
-    """(is data-parallel, its process group): torch DDP and dtlib's DataParallel."""
-    if not hasattr(model, "no_sync"):
-        return False, None
-    group = getattr(model, "process_group", None)  # torch DDP
-    if group is None:
-        group = getattr(model, "group", None)  # dtlib.data_parallel.DataParallel
-    return True, group
-
-
-def global_token_count(local_tokens: int, group: Any = None) -> int:
-    """Sum of ``local_tokens`` over the ranks of ``group``: one all-reduce of one int.
-
-    Args:
-        local_tokens: this rank's real tokens in the accumulation group.
-        group: process group (default: the world); no communication on one rank.
-    Returns:
-        The total over ranks.
-
-    Taught in: Chapter 8, "Accumulation under DDP".
-    """
-    if not (dist.is_available() and dist.is_initialized()) \
-            or dist.get_world_size(group) == 1:
-        return int(local_tokens)
-    t = torch.tensor([int(local_tokens)], dtype=torch.int64,
-                     device=ddist.world().device)
-    dist.all_reduce(t, group=group)
-    return int(t.item())
-
-
 @dataclass(frozen=True)
 class GroupStats:
     """What one accumulation group did.
 
-    loss_sum: this rank's summed per-token loss (detached float).
+    loss_sum: this rank's summed per-token loss (a detached tensor: reading it is a
+        host synchronisation, left to the caller).
     tokens: this rank's real tokens.
-    global_tokens: tokens of the whole accumulated batch (all ranks): the normaliser.
+    global_tokens: tokens of the whole accumulated batch (all data-parallel ranks):
+        the normaliser.
     micro_batches: micro-batches in the group.
     """
 
-    loss_sum: float
+    loss_sum: torch.Tensor
     tokens: int
     global_tokens: int
     micro_batches: int
 
 
-def accumulate_gradients(model: nn.Module, group: Sequence[MicroBatch],
-                         loss_fn: LossFn = token_loss_sum, *,
-                         use_no_sync: bool = True, scaler: Any = None,
+def _token_counts(group: Sequence[MicroBatch], par: Parallelism,
+                  ignore_index: int) -> tuple[int, int]:
+    """(this rank's real tokens, all data-parallel ranks'): one all-reduce of one
+    integer, one host read for both."""
+    for mb in group:
+        if len(mb) != 2:
+            raise ValueError(f"micro_batch has {len(mb)} items; expected "
+                             "(idx, targets)")
+    local = sum((mb[1] != ignore_index).sum() for mb in group).reshape(1)
+    total = local.clone()
+    if par.dp_size > 1:
+        dist.all_reduce(total, group=par.dp_group)
+    mine, everyone = torch.cat([local, total]).tolist()
+    return int(mine), int(everyone)
+
+
+def accumulate_gradients(par: Parallelism, model: nn.Module,
+                         group: Sequence[MicroBatch],
+                         loss_fn: LossFn = token_loss_sum, *, scaler: Any = None,
                          autocast_dtype: torch.dtype | None = None,
                          ignore_index: int = IGNORE_INDEX) -> GroupStats:
     """Forward and backward every micro-batch of ``group``; ``.grad`` gains the gradient
-    of the large-batch mean loss (all ranks' tokens together under DDP).
+    of the large-batch mean loss (all data-parallel ranks' tokens together).
 
     Args:
-        model: a module, or one wrapped in torch DDP / dtlib ``DataParallel`` (anything
-            with ``no_sync()`` is treated as data-parallel and averaged by world size).
+        par: the technique; ``par.grad_sync(model, on)`` switches gradient
+            synchronisation off for every micro-batch but the last, and
+            ``par.dp_group``/``par.dp_size`` are the ranks backward averages over
+            (``Parallelism()``: one process).
+        model: ``par.apply(...)``'s result (DDP, FSDP2, ZeRO-3 or a plain module).
         group: the micro-batches ``(idx, targets)`` of one optimizer step (non-empty;
             every rank must pass the same number).
         loss_fn: ``loss_fn(model, micro_batch)`` -> summed per-token loss.
-        use_no_sync: run all micro-batches but the last inside ``model.no_sync()``.
         scaler: a ``torch.amp.GradScaler`` (fp16) or None.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype, or None.
         ignore_index: padding marker in the targets.
     Returns:
-        :class:`GroupStats`.
+        :class:`GroupStats` (the token counts cost the step's one host read).
 
     Taught in: Chapter 8, "The fix, in one function".
     """
     if len(group) == 0:
         raise ValueError("group is empty; pass at least one micro-batch")
-    is_dp, pg = _dp_group(model)
-    local = sum(count_tokens(mb, ignore_index) for mb in group)
-    total = global_token_count(local, pg) if is_dp else local
+    local, total = _token_counts(group, par, ignore_index)
     if total == 0:
         raise ValueError("the accumulated batch has no real tokens (all padding)")
-    world_size = dist.get_world_size(pg) if is_dp else 1
-    scale = world_size / total  # DDP divides by world_size: multiply it back
-    device = next(model.parameters()).device
-    loss_sum = 0.0
+    scale = par.dp_size / total  # backward averages over dp_size: multiply it back
+    device = ddist.world().device
+    sums = []
     for i, micro_batch in enumerate(group):
         last = i == len(group) - 1
-        quiet = is_dp and use_no_sync and not last
         autocast = (torch.autocast(device.type, dtype=autocast_dtype)
                     if autocast_dtype is not None else contextlib.nullcontext())
-        with model.no_sync() if quiet else contextlib.nullcontext():
+        with par.grad_sync(model, on=last):  # one synchronisation per step
             with autocast:
                 loss = loss_fn(model, micro_batch)
             scaled = loss.float() * scale
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        loss_sum += float(loss.detach())
-    return GroupStats(loss_sum, local, total, len(group))
+        sums.append(loss.detach().float())
+    return GroupStats(torch.stack(sums).sum(), local, total, len(group))
+
+
+class AccumulationStep:
+    """A ``step_fn`` for :func:`~dtlib.models.run.run_steps`: one optimizer step's
+    gradients accumulated over micro-batches by :func:`accumulate_gradients`.
+
+    The loop hands it this rank's batch: a list of micro-batches ``(idx, targets)``
+    (used as they are; a remainder group may be shorter), or one tuple of tensors,
+    split row-wise into ``accum_steps`` micro-batches. It returns this rank's share
+    of the global-batch loss, ``loss_sum * dp_size / global_tokens``, so that the
+    mean over data-parallel ranks (``par.global_loss``) is the large batch's mean
+    per-token loss. ``stats`` keeps every step's :class:`GroupStats`.
+
+    The loop's own ``loss_fn`` (a mean loss) is not used: token normalisation needs
+    a *summed* per-token loss, this step's ``loss_fn``.
+
+    Taught in: Chapter 8, "A small trainer".
+    """
+
+    def __init__(self, accum_steps: int, loss_fn: LossFn = token_loss_sum, *,
+                 ignore_index: int = IGNORE_INDEX,
+                 autocast_dtype: torch.dtype | None = None) -> None:
+        _check_accum_steps(accum_steps)
+        self.accum_steps = accum_steps
+        self.loss_fn = loss_fn
+        self.ignore_index = ignore_index
+        self.autocast_dtype = autocast_dtype
+        self.stats: list[GroupStats] = []
+
+    def micro_batches(self, batch: Any) -> list[MicroBatch]:
+        """The micro-batches of one step: ``batch`` itself when it is a list,
+        else its tensors' rows cut into ``accum_steps`` equal parts."""
+        if isinstance(batch, list):
+            return batch
+        rows = batch[0].shape[0]
+        if rows % self.accum_steps:
+            raise ValueError(f"batch has {rows} rows; accum_steps="
+                             f"{self.accum_steps} must divide it")
+        return list(zip(*(t.chunk(self.accum_steps) for t in batch)))
+
+    def __call__(self, par: Parallelism, wrapped: nn.Module, batch: Any,
+                 loss_fn: Any = None, scaler: Any = None) -> torch.Tensor:
+        stats = accumulate_gradients(
+            par, wrapped, self.micro_batches(batch), self.loss_fn, scaler=scaler,
+            autocast_dtype=self.autocast_dtype, ignore_index=self.ignore_index)
+        self.stats.append(stats)
+        return stats.loss_sum * (par.dp_size / stats.global_tokens)
+
+
+def accumulation_step(accum_steps: int, loss_fn: LossFn = token_loss_sum, *,
+                      ignore_index: int = IGNORE_INDEX,
+                      autocast_dtype: torch.dtype | None = None) -> AccumulationStep:
+    """The ``step_fn`` of :func:`~dtlib.models.run.run_steps` that accumulates.
+
+    Args:
+        accum_steps: micro-batches per optimizer step (>= 1): how a tuple batch is
+            split (a list of micro-batches is used as it is).
+        loss_fn: ``loss_fn(model, micro_batch)`` -> summed per-token loss.
+        ignore_index: padding marker in the targets.
+        autocast_dtype: forward under ``torch.autocast`` with this dtype, or None
+            (or pass ``autocast_dtype=`` to ``run_steps``, which wraps the step).
+    Returns:
+        An :class:`AccumulationStep` (``.stats``: each step's :class:`GroupStats`).
+
+    Taught in: Chapter 8, "A small trainer".
+    """
+    return AccumulationStep(accum_steps, loss_fn, ignore_index=ignore_index,
+                            autocast_dtype=autocast_dtype)
 
 
 def make_grad_scaler(dtype: torch.dtype | None, device: torch.device | None = None
@@ -232,37 +294,40 @@ class EpochStats:
     micro_batches: micro-batches seen.
     tokens: this rank's real tokens.
     loss: this rank's mean per-token loss over the epoch (nan when nothing ran).
+    losses: each step's global-batch loss (``run_steps``'s, all ranks' tokens).
     """
 
     optimizer_steps: int
     micro_batches: int
     tokens: int
     loss: float
+    losses: tuple[float, ...] = ()
 
 
-def _to(micro_batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return tuple(t.to(device) for t in micro_batch)
-
-
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer,
-                loader: Iterable[MicroBatch], accum_steps: int, *,
-                loss_fn: LossFn = token_loss_sum, dtype: torch.dtype | None = None,
-                use_no_sync: bool = True, max_grad_norm: float | None = None,
+def train_epoch(par: Parallelism, model: nn.Module,
+                optimizer: torch.optim.Optimizer, loader: Iterable[MicroBatch],
+                accum_steps: int, *, loss_fn: LossFn = token_loss_sum,
+                dtype: torch.dtype | None = None,
+                max_grad_norm: float | None = None,
                 ignore_index: int = IGNORE_INDEX) -> EpochStats:
     """One epoch of accumulated training over the caller's loader, as it is.
 
     Each group of ``accum_steps`` micro-batches (the last may be shorter) is one
-    optimizer step equal to a large-batch step on the group's tokens. Batches are moved
-    to ``dtlib.runtime.dist.world().device``. A GradScaler is made for float16 only.
+    optimizer step equal to a large-batch step on the group's tokens: the one loop,
+    :func:`~dtlib.models.run.run_steps`, with :func:`accumulation_step`. Batches are
+    moved to ``dtlib.runtime.dist.world().device``. A GradScaler is made for float16
+    only.
 
     Args:
-        model: the (possibly DDP-wrapped) model.
+        par: the technique (``Parallelism()`` for one process) that ``model`` was
+            applied with.
+        model: ``par.apply(...)``'s result (a plain module for one process).
         optimizer: its optimizer.
-        loader: the caller's iterable of ``(idx, targets)`` (never rebuilt).
+        loader: the caller's iterable of ``(idx, targets)`` (never rebuilt; read
+            once, before the first step, into its groups).
         accum_steps: micro-batches per optimizer step.
         loss_fn: summed per-token loss, see :func:`token_loss_sum`.
         dtype: autocast dtype or None (float32).
-        use_no_sync: skip gradient synchronisation on all but the last micro-batch.
         max_grad_norm: clip the accumulated gradient to this norm, or None.
         ignore_index: padding marker in the targets.
     Returns:
@@ -275,24 +340,16 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer,
     device = ddist.world().device
     scaler = make_grad_scaler(dtype, device)
     autocast_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None
-    steps = micro = tokens = 0
-    loss_sum = 0.0
-    for group in micro_batch_groups(loader, accum_steps):
-        stats = accumulate_gradients(
-            model, [_to(mb, device) for mb in group], loss_fn, use_no_sync=use_no_sync,
-            scaler=scaler, autocast_dtype=autocast_dtype, ignore_index=ignore_index)
-        if max_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        steps += 1
-        micro += stats.micro_batches
-        tokens += stats.tokens
-        loss_sum += stats.loss_sum
-    return EpochStats(steps, micro, tokens, loss_sum / tokens if tokens else math.nan)
+    groups = [[tuple(t.to(device) for t in mb) for mb in group]
+              for group in micro_batch_groups(loader, accum_steps)]
+    step = accumulation_step(accum_steps, loss_fn, ignore_index=ignore_index,
+                             autocast_dtype=autocast_dtype)
+    result = run_steps(par, model, groups.__getitem__, len(groups), local=True,
+                       wrapped=model, optimizer=optimizer, step_fn=step,
+                       scaler=scaler, max_grad_norm=max_grad_norm,
+                       record_grads=False, record_params=False)
+    tokens = sum(s.tokens for s in step.stats)
+    loss_sum = float(sum(s.loss_sum for s in step.stats)) if step.stats else 0.0
+    return EpochStats(len(step.stats), sum(s.micro_batches for s in step.stats),
+                      tokens, loss_sum / tokens if tokens else math.nan,
+                      tuple(result.losses))

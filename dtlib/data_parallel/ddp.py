@@ -1,10 +1,10 @@
 """A teaching DDP in three steps: naive, bucketed, overlapped.
 
-``DataParallel(module, mode=...)`` wraps a model so that, when ``loss.backward()``
+``DataParallel(module, variant=...)`` wraps a model so that, when ``loss.backward()``
 returns, every rank holds the mean of all ranks' gradients, and the training loop is the
 one you would write for a single process::
 
-    model = DataParallel(build_gpt(cfg), mode="overlapped")
+    model = DataParallel(build_gpt(cfg), variant="overlapped")
     opt = torch.optim.AdamW(model.parameters())
     loss = model(idx, targets)[1]
     loss.backward()          # gradients are averaged across ranks here
@@ -39,9 +39,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.runtime.dist import sync
-from dtlib.data_parallel.buckets import Bucket, allreduce_buckets, allreduce_grads, build_buckets
+from dtlib.data_parallel.buckets import (Bucket, allreduce_buckets, allreduce_grads,
+                                         build_buckets)
 
-MODES = ("naive", "bucketed", "overlapped")
+#: The teaching variants of :class:`DataParallel`, each built on the one before.
+TEACHING_VARIANTS = ("naive", "bucketed", "overlapped")
 
 
 def sync_module_states(module: nn.Module, group: Any = None) -> int:
@@ -74,10 +76,10 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model, already on this rank's device (all parameters on one device).
-        mode: ``"naive"`` (one all-reduce per tensor after backward), ``"bucketed"`` (one
-            per bucket after backward) or ``"overlapped"`` (async bucket all-reduces
-            started during backward).
-        bucket_cap_mb: bucket size cap in MiB for the bucketed modes (> 0).
+        variant: ``"naive"`` (one all-reduce per tensor after backward),
+            ``"bucketed"`` (one per bucket after backward) or ``"overlapped"`` (async
+            bucket all-reduces started during backward).
+        bucket_cap_mb: bucket size cap in MiB for the bucketed variants (> 0).
         group: process group of the data-parallel ranks (default: the whole world).
         timeline: record ``(event, index, time.perf_counter())`` tuples in
             :attr:`events` (forward, each gradient ready, each bucket launched and done)
@@ -87,27 +89,31 @@ class DataParallel(nn.Module):
     Taught in: Chapter 3, "Three DDPs, one on another".
     """
 
-    def __init__(self, module: nn.Module, *, mode: str = "naive",
+    def __init__(self, module: nn.Module, *, variant: str = "naive",
                  bucket_cap_mb: float = 25.0, group: Any = None,
                  timeline: bool = False) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise ValueError(f"module={type(module).__name__} must be a torch.nn.Module")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not allowed; allowed: {MODES}")
+            raise ValueError(f"module={type(module).__name__} must be a "
+                             "torch.nn.Module")
+        if variant not in TEACHING_VARIANTS:
+            raise ValueError(f"variant={variant!r} is not allowed; allowed: "
+                             f"{TEACHING_VARIANTS}")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("DataParallel needs an initialised process group: call "
-                             "dtlib.runtime.dist.init() first (or launch with dtlib.runtime.launch)")
+                             "dtlib.runtime.dist.init() first (or launch with "
+                             "dtlib.runtime.launch)")
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("module has no parameter with requires_grad=True")
         devices = sorted({str(p.device) for p in params})
         if len(devices) > 1:
-            raise ValueError(f"module parameters are on devices {devices}; all must be "
-                             "on one device (this rank's, see dtlib.runtime.dist.world().device)")
+            raise ValueError(f"module parameters are on devices {devices}; all must "
+                             "be on one device (this rank's, see "
+                             "dtlib.runtime.dist.world().device)")
         self.buckets: list[Bucket] = build_buckets(params, bucket_cap_mb)
         self.module = module
-        self.mode = mode
+        self.variant = variant
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.params = params
@@ -175,7 +181,7 @@ class DataParallel(nn.Module):
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
-        if self.mode == "overlapped":
+        if self.variant == "overlapped":
             self._bucket_of[id(param)].ready += 1
             self._launch_full_buckets()
 
@@ -189,7 +195,8 @@ class DataParallel(nn.Module):
 
     def _launch_full_buckets(self) -> None:
         while (self._next < len(self.buckets)
-               and self.buckets[self._next].ready == len(self.buckets[self._next].params)):
+               and self.buckets[self._next].ready
+               == len(self.buckets[self._next].params)):
             self._launch(self.buckets[self._next])
             self._next += 1
 
@@ -198,9 +205,9 @@ class DataParallel(nn.Module):
         self._queued = False
         self._seen.clear()
         self._mark("backward_end", -1)
-        if self.mode == "naive":
+        if self.variant == "naive":
             allreduce_grads(self.params, self.group)
-        elif self.mode == "bucketed":
+        elif self.variant == "bucketed":
             allreduce_buckets(self.buckets, self.group)
         else:
             # Buckets holding a parameter that got no gradient never filled: send now.
@@ -221,4 +228,4 @@ def allreduce_calls_per_step(model: DataParallel) -> int:
     """
     if model.world_size == 1:
         return 0
-    return len(model.params) if model.mode == "naive" else len(model.buckets)
+    return len(model.params) if model.variant == "naive" else len(model.buckets)

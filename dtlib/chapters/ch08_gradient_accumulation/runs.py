@@ -5,8 +5,9 @@
   different numbers of real tokens (the case where the mean of means goes wrong);
 - :func:`large_batch` and :func:`reference_steps`: one process, the whole accumulated
   batch at once (the truth);
-- :func:`ddp_accumulation` (a rank function for :func:`dtlib.runtime.launch.spawn`): one rank
-  of DDP training with accumulation, by a chosen method, counting all-reduces.
+- :func:`ddp_accumulation` (a rank function for :func:`dtlib.runtime.launch.spawn`):
+  one rank of DDP training with accumulation, by a chosen method, counting
+  all-reduces; the one loop with the DDP's Parallelism and a ``step_fn`` per method.
 
 Taught in: Chapter 8, "Equal to the large batch" and "Accumulation under DDP".
 """
@@ -14,25 +15,29 @@ Taught in: Chapter 8, "Equal to the large batch" and "Accumulation under DDP".
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.runtime import dist as ddist
-from dtlib.accumulation.micro_batches import (IGNORE_INDEX, MicroBatch, accumulate_gradients,
-                                count_tokens, train_epoch)
+from dtlib.accumulation.micro_batches import (IGNORE_INDEX, MicroBatch,
+                                              accumulation_step, count_tokens,
+                                              token_loss_sum, train_epoch)
+from dtlib.chapters.ch03_data_parallel.runs import TINY
 from dtlib.chapters.ch08_gradient_accumulation.seed import seed_accumulate
-from dtlib.chapters.ch03_data_parallel.runs import TINY, wrap
-from dtlib.models.reference import grads_of, params_of, train_reference
+from dtlib.data_parallel import DataParallelism
 from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.reference import grads_of, train_reference
+from dtlib.models.run import Parallelism, RunResult, run_steps
+from dtlib.runtime import dist as ddist
 
 METHODS = ("tokens", "seed", "local_tokens", "trainer")
 __all__ = ["TINY", "METHODS", "variable_length_dataset", "pad_collate",
            "variable_length_batches", "large_batch", "large_batch_grads",
-           "reference_steps", "relative_error", "global_groups", "ddp_accumulation",
+           "reference_steps", "relative_error", "global_groups",
+           "SyncEveryMicroBatch", "local_tokens_accumulate", "ddp_accumulation",
            "ddp_suite"]
 
 
@@ -106,14 +111,23 @@ def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 
 
 def reference_steps(cfg: GPTConfig, groups: Sequence[Sequence[MicroBatch]],
-                    lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
-    """One process, one AdamW step per group on the group's large batch.
+                    lr: float = 1e-3, seed: int = 0,
+                    optimizer_class: type = torch.optim.AdamW,
+                    **optimizer_kwargs: Any) -> RunResult:
+    """One process, one optimizer step per group on the group's large batch.
 
+    Args:
+        cfg: the GPT (``build_gpt(cfg, seed)``).
+        groups: each step's micro-batches (all ranks' together).
+        lr, optimizer_class, optimizer_kwargs: the optimizer (AdamW by default).
     Returns:
-        ``{"grads": first step's gradients, "params": after the last step,
-        "losses": [large-batch mean loss per step]}``.
+        A :class:`~dtlib.models.run.RunResult`: ``grads`` of the first step,
+        ``params`` after the last, ``losses`` (large-batch mean loss per step).
+
+    Taught in: Chapter 8, "Equal to the large batch".
     """
-    return train_reference(build_gpt(cfg, seed), (large_batch(g) for g in groups), lr=lr)
+    return train_reference(build_gpt(cfg, seed), (large_batch(g) for g in groups),
+                           lr=lr, optimizer_class=optimizer_class, **optimizer_kwargs)
 
 
 def global_groups(cfg: GPTConfig, world_size: int, accum_steps: int,
@@ -124,85 +138,142 @@ def global_groups(cfg: GPTConfig, world_size: int, accum_steps: int,
                                     seed=1000 + s) for s in range(steps)]
 
 
-def _local_tokens_accumulate(model: nn.Module, group: Sequence[MicroBatch]) -> None:
+class SyncEveryMicroBatch(DataParallelism):
+    """Data parallelism that never skips a synchronisation: ``grad_sync`` ignores
+    ``on=False``, so every micro-batch's backward all-reduces (ERRATA 31's cost,
+    with the same gradients).
+
+    Taught in: Chapter 8, "Accumulation under DDP".
+    """
+
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def local_tokens_accumulate(par: Parallelism, model: nn.Module,
+                            group: Sequence[MicroBatch]) -> torch.Tensor:
     """Token-normalised on this rank only (no all-reduce of the count): DDP then
-    averages per-rank means, wrong when ranks hold different numbers of tokens."""
+    averages per-rank means, wrong when ranks hold different numbers of tokens.
+
+    Returns:
+        This rank's mean per-token loss (detached).
+
+    Taught in: Chapter 8, "Accumulation under DDP" (the per-rank count).
+    """
     local = sum(count_tokens(mb) for mb in group)
-    for i, (idx, targets) in enumerate(group):
-        quiet = i < len(group) - 1
-        with model.no_sync() if quiet else contextlib.nullcontext():
-            logits = model(idx)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                   targets.reshape(-1), reduction="sum")
+    sums = []
+    for i, micro_batch in enumerate(group):
+        with par.grad_sync(model, on=i == len(group) - 1):
+            loss = token_loss_sum(model, micro_batch)
             (loss / local).backward()
+        sums.append(loss.detach())
+    return torch.stack(sums).sum() / local
+
+
+def _counted(step_fn: Callable[..., torch.Tensor], extra: dict[str, list[int]]
+             ) -> Callable[..., torch.Tensor]:
+    """``step_fn`` under the accounting: per step, gradient all-reduces (a bucket is
+    never one element) and token-count all-reduces (always one element)."""
+    from dtlib.collectives.accounting import count_comms
+
+    def step(par: Parallelism, wrapped: nn.Module, batch: list[MicroBatch],
+             loss_fn: Any, scaler: Any = None) -> torch.Tensor:
+        with count_comms(functional=False) as log:
+            loss = step_fn(par, wrapped, batch, loss_fn, scaler=scaler)
+        ar = [r for r in log.records if r.op == "all_reduce"]
+        extra["grad_allreduces"].append(sum(r.numel > 1 for r in ar))
+        extra["count_allreduces"].append(sum(r.numel == 1 for r in ar))
+        extra["tokens"].append(sum(count_tokens(mb) for mb in batch))
+        return loss
+    return step
+
+
+def _seed_step(accum_steps: int, use_no_sync: bool) -> Callable[..., torch.Tensor]:
+    def step(par: Parallelism, wrapped: nn.Module, batch: list[MicroBatch],
+             loss_fn: Any, scaler: Any = None) -> torch.Tensor:
+        seed_accumulate(wrapped, batch, accum_steps, use_no_sync=use_no_sync)
+        return torch.zeros((), device=ddist.world().device)  # no loss compared
+    return step
 
 
 def ddp_accumulation(cfg: GPTConfig, variant: str, accum_steps: int, micro_batch: int,
                      steps: int, method: str = "tokens", use_no_sync: bool = True,
-                     lr: float = 1e-3, seed: int = 0, bucket_cap_mb: float = 0.02
-                     ) -> dict[str, Any]:
+                     lr: float = 1e-3, seed: int = 0, bucket_cap_mb: float = 0.02,
+                     optimizer_class: type = torch.optim.AdamW,
+                     optimizer_kwargs: dict[str, Any] | None = None) -> RunResult:
     """One rank of DDP training with gradient accumulation (a rank function).
+
+    The one loop, :func:`~dtlib.models.run.run_steps`, with the DDP's Parallelism
+    (:class:`SyncEveryMicroBatch` when ``use_no_sync`` is False) and a ``step_fn``
+    per method, counted by the accounting.
 
     Args:
         cfg: the GPT.
-        variant: ``"torch"`` or a :class:`dtlib.data_parallel.DataParallel` mode.
+        variant: ``"torch"`` or a :class:`dtlib.data_parallel.DataParallel` variant.
         accum_steps: micro-batches per rank per optimizer step.
         micro_batch: sequences per micro-batch.
-        steps: AdamW steps.
-        method: ``"tokens"`` (:func:`dtlib.accumulation.accumulate_gradients`),
+        steps: optimizer steps.
+        method: ``"tokens"`` (:func:`dtlib.accumulation.accumulation_step`),
             ``"seed"`` (mean / accum_steps), ``"local_tokens"`` (per-rank count),
             ``"trainer"`` (:func:`dtlib.accumulation.train_epoch` over all steps'
-            micro-batches as one loader: returns ``params`` and ``stats`` only).
-        use_no_sync: for ``"tokens"``, ``"seed"`` and ``"trainer"``.
+            micro-batches as one loader: ``params`` and ``stats`` only).
+        use_no_sync: skip the synchronisation of all micro-batches but the last
+            (``"tokens"``, ``"seed"`` and ``"trainer"``).
+        lr, optimizer_class, optimizer_kwargs: the optimizer (AdamW by default).
     Returns:
-        ``grads`` (first step), ``params`` (after the last step), ``grad_allreduces``
-        and ``count_allreduces`` (per step, this rank), ``tokens`` (per step, this
-        rank), ``n_buckets`` (gradient all-reduces of one synchronised backward).
+        A :class:`~dtlib.models.run.RunResult`: ``grads`` (first step), ``params``
+        (after the last step), and ``grad_allreduces``, ``count_allreduces`` (per
+        step, this rank), ``tokens`` (per step, this rank), ``n_buckets`` (gradient
+        all-reduces of one synchronised backward) by key.
+
+    Taught in: Chapter 8, "Accumulation under DDP".
     """
-    from dtlib.collectives.accounting import count_comms, ddp_comm_hook_accounting
+    from dtlib.collectives.accounting import ddp_comm_hook_accounting
 
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not allowed; allowed: {METHODS}")
     world = ddist.world()
-    model = wrap(build_gpt(cfg, seed).to(world.device), variant, bucket_cap_mb)
+    make = DataParallelism if use_no_sync or method == "local_tokens" \
+        else SyncEveryMicroBatch
+    par = make(variant, bucket_cap_mb=bucket_cap_mb)
+    model = par.apply(build_gpt(cfg, seed))
     if variant == "torch":
         ddp_comm_hook_accounting(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"grad_allreduces": [], "count_allreduces": [], "tokens": []}
+    opt = par.make_optimizer(model, optimizer_class,
+                             **{"lr": lr, **(optimizer_kwargs or {})})
     groups = global_groups(cfg, world.world_size, accum_steps, micro_batch, steps)
+    # This rank's micro-batches of step s: entries k * world_size + rank.
+    mine = [[g[k * world.world_size + world.rank] for k in range(accum_steps)]
+            for g in groups]
     if method == "trainer":
-        # This rank's micro-batches of every step, as one loader (left on the CPU:
-        # train_epoch moves them to the rank's device).
-        loader = [g[k * world.world_size + world.rank] for g in groups
-                  for k in range(accum_steps)]
-        out["stats"] = train_epoch(model, opt, loader, accum_steps,
-                                   use_no_sync=use_no_sync)
-        out["params"] = params_of(model.module)
-        return out
-    for step, group in enumerate(groups):
-        mine = [tuple(t.to(world.device) for t in group[k * world.world_size
-                                                         + world.rank])
-                for k in range(accum_steps)]
-        with count_comms(functional=False) as log:
-            if method == "tokens":
-                accumulate_gradients(model, mine, use_no_sync=use_no_sync)
-            elif method == "seed":
-                seed_accumulate(model, mine, accum_steps, use_no_sync=use_no_sync)
-            else:
-                _local_tokens_accumulate(model, mine)
-        # A gradient bucket is never one element; the token count always is.
-        ar = [r for r in log.records if r.op == "all_reduce"]
-        out["grad_allreduces"].append(sum(r.numel > 1 for r in ar))
-        out["count_allreduces"].append(sum(r.numel == 1 for r in ar))
-        out["tokens"].append(sum(count_tokens(mb) for mb in mine))
-        if step == 0:
-            out["grads"] = grads_of(model.module)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    out["params"] = params_of(model.module)
+        stats = train_epoch(par, model, opt, [mb for m in mine for mb in m],
+                            accum_steps)
+        return RunResult(params=par.full_state(model), extra={"stats": stats})
+    if method == "tokens":
+        step_fn = accumulation_step(accum_steps)
+    elif method == "seed":
+        step_fn = _seed_step(accum_steps, use_no_sync)
+    else:
+        step_fn = local_tokens_accumulate_step
+    extra: dict[str, list[int]] = {"grad_allreduces": [], "count_allreduces": [],
+                                   "tokens": []}
+    device = world.device
+    out = run_steps(par, model,
+                    lambda s: [tuple(t.to(device) for t in mb) for mb in mine[s]],
+                    steps, local=True, wrapped=model, optimizer=opt,
+                    step_fn=_counted(step_fn, extra))
+    out.extra.update(extra)
     synced_once = use_no_sync or method == "local_tokens"
-    out["n_buckets"] = out["grad_allreduces"][-1] // (1 if synced_once else accum_steps)
+    out.extra["n_buckets"] = extra["grad_allreduces"][-1] // (
+        1 if synced_once else accum_steps)
     return out
+
+
+def local_tokens_accumulate_step(par: Parallelism, wrapped: nn.Module,
+                                 batch: list[MicroBatch], loss_fn: Any,
+                                 scaler: Any = None) -> torch.Tensor:
+    """:func:`local_tokens_accumulate` as a ``step_fn`` of the one loop."""
+    return local_tokens_accumulate(par, wrapped, batch)
 
 
 def ddp_suite(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

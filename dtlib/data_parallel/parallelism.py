@@ -1,0 +1,149 @@
+"""Data parallelism as the one loop's :class:`~dtlib.models.run.Parallelism`.
+
+``parallelism(variant)`` answers the loop's four questions for every DDP of the
+chapter, ours and torch's:
+
+- ``apply``: wrap the replica (moved to this rank's device) in :class:`DataParallel`
+  (``"naive"``, ``"bucketed"``, ``"overlapped"``) or torch's
+  ``DistributedDataParallel`` (``"torch"``);
+- ``local_batch``: rank ``r`` of the data-parallel group takes rows
+  ``r*b .. (r+1)*b - 1`` of every tensor of the global batch (``b`` rows each);
+- ``full_state``: a replica already holds everything (the base class's);
+- ``grad_sync``: ``no_sync()`` when backward must not synchronise.
+
+Taught in: Chapter 3, "Equal to one process".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dtlib.data_parallel.ddp import TEACHING_VARIANTS, DataParallel
+from dtlib.models.run import Batch, Parallelism
+from dtlib.runtime import dist as ddist
+
+__all__ = ["VARIANTS", "DataParallelism", "parallelism", "rows_of_rank"]
+
+#: Every DDP of Chapter 3: the three teaching ones and torch's.
+VARIANTS = (*TEACHING_VARIANTS, "torch")
+
+
+def rows_of_rank(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Rows ``rank*b .. (rank+1)*b - 1`` of every tensor of ``batch``, ``b`` equal
+    shares of its rows; anything that is not a tensor is passed through.
+
+    Args:
+        batch: the global batch, a tuple of tensors with the same number of rows.
+        rank: this rank's index in the data-parallel group.
+        world_size: ranks in the group (must divide the number of rows).
+    Returns:
+        The tuple of this rank's rows (views of the global tensors).
+
+    Taught in: Chapter 3, "Equal to one process".
+    """
+    out = []
+    for t in batch:
+        if not isinstance(t, torch.Tensor):
+            out.append(t)
+            continue
+        if t.shape[0] % world_size:
+            raise ValueError(f"batch has {t.shape[0]} rows; world_size={world_size} "
+                             "must divide it (every rank trains on as many rows)")
+        b = t.shape[0] // world_size
+        out.append(t[rank * b:(rank + 1) * b])
+    return tuple(out)
+
+
+class DataParallelism(Parallelism):
+    """Replicas that average their gradients: one DDP variant, ours or torch's.
+
+    Args:
+        variant: one of :data:`VARIANTS`.
+        group: the data-parallel process group (default: the whole world).
+        bucket_cap_mb: bucket size cap (MiB) of every bucketed variant, torch's too.
+        timeline: record :class:`DataParallel`'s event timeline (teaching variants).
+
+    Taught in: Chapter 3, "Equal to one process".
+    """
+
+    def __init__(self, variant: str = "torch", *, group: Any = None,
+                 bucket_cap_mb: float = 25.0, timeline: bool = False) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r} is not allowed; allowed: "
+                             f"{VARIANTS}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb,
+                                                             (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 "
+                             "(MiB)")
+        if timeline and variant == "torch":
+            raise ValueError("timeline=True records DataParallel's events; "
+                             f"variant must be one of {TEACHING_VARIANTS}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("data parallelism needs an initialised process group: "
+                             "call dtlib.runtime.dist.init() first (or launch with "
+                             "dtlib.runtime.launch)")
+        self.variant = variant
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.timeline = timeline
+        self.name = f"ddp/{variant}"
+        self.dp_group = group
+        self.dp_size = dist.get_world_size(group)
+        self.dp_rank = dist.get_rank(group)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """The replica on this rank's device, wrapped in the chosen DDP."""
+        device = ddist.world().device
+        model = model.to(device)
+        if self.variant == "torch":
+            ids = [device.index] if device.type == "cuda" else None
+            return DistributedDataParallel(model, device_ids=ids,
+                                           process_group=self.dp_group,
+                                           bucket_cap_mb=self.bucket_cap_mb)
+        return DataParallel(model, variant=self.variant, group=self.dp_group,
+                            bucket_cap_mb=self.bucket_cap_mb, timeline=self.timeline)
+
+    def local_batch(self, batch: Batch) -> Batch:
+        """This rank's rows of every tensor, on this rank's device."""
+        device = ddist.world().device
+        mine = rows_of_rank(batch, self.dp_rank, self.dp_size)
+        return tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                     for t in mine)
+
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
+        """``no_sync()`` of either DDP when ``on`` is False."""
+        return contextlib.nullcontext() if on else wrapped.no_sync()
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of the ranks' losses: the global batch's loss (equal shares)."""
+        mean = loss.detach().float().clone()
+        if self.dp_size > 1:
+            dist.all_reduce(mean, group=self.dp_group)
+        return mean / self.dp_size
+
+
+def parallelism(variant: str = "torch", *, group: Any = None,
+                bucket_cap_mb: float = 25.0, timeline: bool = False
+                ) -> DataParallelism:
+    """The :class:`~dtlib.models.run.Parallelism` of one DDP variant.
+
+    Args:
+        variant: ``"naive"``, ``"bucketed"``, ``"overlapped"`` (Chapter 3's
+            :class:`DataParallel`) or ``"torch"`` (``DistributedDataParallel``).
+        group: the data-parallel process group (default: the whole world).
+        bucket_cap_mb: bucket size cap in MiB (> 0) for every bucketed variant.
+        timeline: record the overlapped DDP's event timeline (teaching variants).
+    Returns:
+        A :class:`DataParallelism`; ``dp_group``/``dp_size`` are ``group`` and its
+        size.
+
+    Taught in: Chapter 3, "Equal to one process".
+    """
+    return DataParallelism(variant, group=group, bucket_cap_mb=bucket_cap_mb,
+                           timeline=timeline)
