@@ -4,7 +4,8 @@ A checkpoint that only holds the weights resumes a different run: the optimizer'
 moments restart at zero, the learning rate jumps back to its first value, the data
 order starts over and dropout draws different masks. This module saves everything a
 step depends on: model, optimizer, LR scheduler, step and epoch, the sampler's epoch
-and position within it, and the random number generators (Python, NumPy, torch CPU,
+and position within it (:class:`dtlib.data_parallel.sampling.ResumableSampler`),
+and the random number generators (Python, NumPy, torch CPU,
 and the CUDA device when there is one).
 
 Three habits make the files trustworthy:
@@ -29,19 +30,20 @@ import re
 import shutil
 import tempfile
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
 
+from dtlib.data_parallel.sampling import ResumableSampler
+from dtlib.models.run import unwrap
 from dtlib.runtime.dist import world
 
 __all__ = ["CHECKPOINT_PATTERN", "checkpoint_path", "list_checkpoints",
            "latest_checkpoint", "atomic_save", "rng_state", "set_rng_state",
-           "ResumableSampler", "STATE_KEYS", "save_checkpoint", "load_checkpoint",
-           "clean_leftovers", "load_latest_good"]
+           "STATE_KEYS", "save_checkpoint", "load_checkpoint", "clean_leftovers",
+           "load_latest_good"]
 
 #: The one file-name scheme, for writing and for finding (zero-padded: sorts by name).
 CHECKPOINT_PATTERN = "step{step:08d}.pt"
@@ -185,70 +187,6 @@ def set_rng_state(state: dict[str, Any], keys: tuple[str, ...] | set[str] = STAT
         torch.cuda.set_rng_state(state["rng_cuda"], world().device)
 
 
-class ResumableSampler(Sampler[int]):
-    """A shuffling, rank-sharding sampler that can start in the middle of an epoch.
-
-    Like ``DistributedSampler`` (shuffle with ``seed + epoch``, rank r takes every
-    world_size-th index, padded to equal length), plus a position: the number of this
-    rank's samples already consumed in the epoch. Resuming skips them *arithmetically*
-    (slicing the index list) instead of loading and throwing away the batches before.
-    The position counts indices handed out, exact with ``num_workers=0``; with worker
-    processes prefetching, set it from the batches the training loop really consumed.
-
-    Taught in: Chapter 9, "Resume without replaying the loader".
-    """
-
-    def __init__(self, dataset_len: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True) -> None:
-        if not isinstance(dataset_len, int) or dataset_len < 1:
-            raise ValueError(f"dataset_len={dataset_len!r} must be a positive integer")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
-        self.dataset_len, self.rank, self.world_size = dataset_len, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
-        self.epoch, self.position = 0, 0
-        self.num_samples = -(-dataset_len // world_size)  # ceil: padded like DDP
-
-    def indices(self) -> list[int]:
-        """This rank's indices for the whole current epoch."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_len, generator=g).tolist()
-        else:
-            order = list(range(self.dataset_len))
-        total = self.num_samples * self.world_size
-        pad = total - len(order)  # repeat the order as often as needed (1 sample, 4
-        order += (order * -(-pad // len(order)))[:pad]  # ranks: 3 copies), as torch does
-        return order[self.rank:total:self.world_size]
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning."""
-        self.epoch, self.position = epoch, 0
-
-    def __iter__(self) -> Iterator[int]:
-        for index in self.indices()[self.position:]:
-            self.position += 1
-            yield index
-
-    def __len__(self) -> int:
-        return self.num_samples - self.position
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position", "seed"}``: enough to continue where we stopped."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at ``state``'s epoch and position (the seed must agree)."""
-        if state["seed"] != self.seed:
-            raise ValueError(
-                f"state seed={state['seed']} differs from seed={self.seed}")
-        self.epoch, self.position = state["epoch"], state["position"]
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
-
-
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler: Any = None,
                     sampler: ResumableSampler | None = None, epoch: int = 0,
@@ -281,7 +219,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
     if world().rank == 0:
         clean_leftovers(ckpt_dir)  # a killed save's temporary files
         state = {"step": step, "epoch": epoch, "world_size": len(gathered),
-                 "model": _unwrap(model).state_dict(),
+                 "model": unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict() if scheduler else None,
                  "scaler": scaler.state_dict() if scaler is not None else None,
@@ -327,7 +265,7 @@ def _apply(state: dict[str, Any], path: str | os.PathLike, model: torch.nn.Modul
                          f"has {dist.get_world_size() if dist.is_initialized() else 1} "
                          "(per-rank RNG and sampler states would not match)")
     if "model" in restore:
-        _unwrap(model).load_state_dict(state["model"])
+        unwrap(model).load_state_dict(state["model"])
     if "optimizer" in restore and optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if "scheduler" in restore and scheduler is not None:

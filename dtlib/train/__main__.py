@@ -1,4 +1,4 @@
-"""``python -m dtlib.train``: run the capstone training script (see :mod:`dtlib.train.loop`)."""
+"""``python -m dtlib.train``: the capstone training script (:mod:`dtlib.train.loop`)."""
 
 from dtlib.train.loop import main
 

@@ -18,8 +18,11 @@ import re
 from dataclasses import MISSING, dataclass, fields
 from typing import Sequence
 
-STRATEGIES = ("ddp", "fsdp")
+#: ``--strategy``: the keys of :data:`dtlib.train.strategies.STRATEGIES`.
+STRATEGY_NAMES = ("ddp", "fsdp")
 MODELS = ("gpt", "hf-llama")
+#: ``--optimizer``: the keys of :data:`dtlib.train.job.OPTIMIZERS`.
+OPTIMIZER_NAMES = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -46,10 +49,13 @@ class TrainConfig:
     micro_batch: samples per rank per forward/backward.
     accum_steps: micro-batches per optimizer step (no_sync on all but the last).
     steps: optimizer steps of the whole run (a resumed run counts from its checkpoint).
+    optimizer: "adamw" (AdamW at torch's betas and eps) or "sgd" (SGD with momentum
+        0.9: its step is smooth in the gradient, so equal gradients give equal
+        trajectories; the tests' proofs use it).
     lr: peak learning rate, reached after ``warmup`` steps.
     warmup: steps of linear warm-up; then cosine decay to ``min_lr_ratio * lr``.
     min_lr_ratio: the final learning rate as a fraction of ``lr``.
-    weight_decay: AdamW's decoupled weight decay.
+    weight_decay: the optimizer's weight decay (AdamW's is decoupled).
     grad_clip: clip the global gradient norm to this (0 turns clipping off).
     dataset_size: samples in the synthetic dataset (an epoch).
     seed: seeds the model's weights, the data and the sampler's shuffling.
@@ -78,6 +84,7 @@ class TrainConfig:
     micro_batch: int = 4
     accum_steps: int = 1
     steps: int = 20
+    optimizer: str = "adamw"
     lr: float = 3e-3
     warmup: int = 2
     min_lr_ratio: float = 0.1
@@ -94,9 +101,10 @@ class TrainConfig:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        _choice("strategy", self.strategy, STRATEGIES)
+        _choice("strategy", self.strategy, STRATEGY_NAMES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("model", self.model, MODELS)
+        _choice("optimizer", self.optimizer, OPTIMIZER_NAMES)
         for name in ("model_config", "init_from"):
             if getattr(self, name) is not None and self.model != "hf-llama":
                 raise ValueError(f"{name}={getattr(self, name)!r} needs "
@@ -171,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     Taught in: Chapter 10, "The script's structure".
     """
-    doc = _field_docs()
+    doc = field_docs()
     parser = argparse.ArgumentParser(
         prog="python -m dtlib.train",
         description="Train the book's GPT or a Hugging Face Llama with DDP or FSDP2 "
@@ -233,8 +241,12 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
                          f"allowed: >= {batch}")
 
 
-def _field_docs() -> dict[str, str]:
-    """Field name -> its line(s) in the TrainConfig docstring."""
+def field_docs() -> dict[str, str]:
+    """Field name -> its line(s) in the :class:`TrainConfig` docstring (the flags'
+    help texts, and the chapter's table of flags).
+
+    Taught in: Chapter 10, "The script's structure".
+    """
     docs: dict[str, str] = {}
     name = None
     for line in (TrainConfig.__doc__ or "").splitlines():

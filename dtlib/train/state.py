@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from dtlib.checkpoint.safe_dcp import (CheckpointDamaged, safe_dcp_load,
                                        verify_manifest, write_manifest)
-from dtlib.checkpoint.state import (ResumableSampler, atomic_save, clean_leftovers,
-                                    load_latest_good, rng_state, save_checkpoint,
-                                    set_rng_state)
+from dtlib.checkpoint.state import (atomic_save, clean_leftovers, load_latest_good,
+                                    rng_state, save_checkpoint, set_rng_state)
+from dtlib.models.run import full_tensor
 from dtlib.runtime.dist import rprint
-from dtlib.train.config import TrainConfig
+from dtlib.train.job import Job
 
 __all__ = ["save_state", "resume", "param_digest"]
 
@@ -56,20 +56,20 @@ def _newest_good_dcp(ckpt_dir: str) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: Any,
-               sampler: ResumableSampler, scaler: Any = None) -> None:
+def save_state(job: Job, step: int) -> None:
     """Save after ``step`` steps: one atomic file (DDP) or a DCP directory (FSDP).
 
     Every rank must call it (both formats gather or write on all ranks).
 
     Args:
-        cfg: the run's configuration (strategy, ckpt_dir).
-        step: optimizer steps done; model, opt, sched, sampler: the live objects.
-        scaler: fp16's loss scaler, or None.
+        job: the live run (its strategy says which format; ``cfg.ckpt_dir`` where).
+        step: optimizer steps done.
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    if cfg.strategy == "ddp":
+    cfg, model, opt, sched = job.cfg, job.model, job.optimizer, job.scheduler
+    sampler, scaler = job.sampler, job.scaler
+    if not job.strategy.sharded_checkpoint:  # replicated: rank 0 writes one file
         save_checkpoint(cfg.ckpt_dir, step, model, opt, sched, sampler, scaler=scaler)
         return
     # FSDP: every rank writes its shards (DCP) and its own sampler/RNG file into a
@@ -95,22 +95,22 @@ def save_state(cfg: TrainConfig, step: int, model: nn.Module, opt: Any, sched: A
     dist.barrier()
 
 
-def resume(cfg: TrainConfig, model: nn.Module, opt: Any, sched: Any,
-           sampler: ResumableSampler, scaler: Any = None) -> int:
-    """Load the latest checkpoint in ``cfg.ckpt_dir`` into the live objects, if any.
+def resume(job: Job) -> int:
+    """Load the latest checkpoint in ``cfg.ckpt_dir`` into the live job, if any.
 
     Args:
-        cfg: the run's configuration (strategy, ckpt_dir).
-        model, opt, sched, sampler: built as for a fresh run (FSDP: already sharded).
-        scaler: fp16's loss scaler (built before resuming, so its scale resumes too).
+        job: built as for a fresh run (FSDP: already sharded; the fp16 scaler
+            exists, so its scale resumes too).
     Returns:
         The step to continue from (0 when there is no checkpoint).
 
     Taught in: Chapter 10, "Crash and resume".
     """
+    cfg, model, opt, sched = job.cfg, job.model, job.optimizer, job.scheduler
+    sampler, scaler = job.sampler, job.scaler
     if cfg.ckpt_dir is None:
         return 0
-    if cfg.strategy == "ddp":
+    if not job.strategy.sharded_checkpoint:
         got = load_latest_good(cfg.ckpt_dir, model, opt, sched, sampler, scaler)
         if got is None:
             return 0
@@ -156,8 +156,7 @@ def param_digest(model: nn.Module) -> tuple[str, float]:
     """
     h, sq = hashlib.sha256(), 0.0
     for _, p in sorted(model.named_parameters()):
-        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-        full = full.float().cpu().contiguous()
+        full = full_tensor(p.detach()).float().cpu().contiguous()
         h.update(full.numpy().tobytes())
         sq += float(full.double().pow(2).sum())
     return h.hexdigest()[:16], math.sqrt(sq)

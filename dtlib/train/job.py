@@ -1,0 +1,216 @@
+"""Everything one training run is made of, built from its configuration.
+
+:func:`build_job` answers, in the book's order: does the model fit (Chapter 1), which
+technique runs it (the :data:`~dtlib.train.strategies.STRATEGIES` table: DDP,
+FSDP2, FSDP x TP), the optimizer and learning-rate schedule, the fp16 loss scaler
+(Chapter 7), this rank's data (Chapter 3's sampler) and the step that accumulates
+micro-batches (Chapter 8). :mod:`dtlib.train.loop` hands the :class:`Job` to the one
+loop, :func:`dtlib.models.run.run_steps`.
+
+Taught in: Chapter 10, "The script's structure".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtlib.accumulation import accumulation_step
+from dtlib.data_parallel.sampling import ResumableSampler
+from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
+from dtlib.models.run import Parallelism
+from dtlib.runtime import dist as ddist
+from dtlib.train.config import STRATEGY_NAMES, TrainConfig
+from dtlib.train.data import MicroBatch, SyntheticTokens, step_batches
+from dtlib.train.model import build_model, count_params, logits_of
+from dtlib.train.strategies import STRATEGIES, Strategy
+
+__all__ = ["DoesNotFit", "check_memory", "prepare_model", "lr_lambda", "token_loss",
+           "OPTIMIZERS", "Job", "build_job"]
+
+#: ``--optimizer`` -> (class, arguments besides lr and weight_decay).
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+}
+
+
+class DoesNotFit(RuntimeError):
+    """The model states alone exceed the device's memory (ERRATA 34)."""
+
+
+def check_memory(n_params: int, strategy: str, world_size: int,
+                 device_gb: float | None) -> ModelStates:
+    """Model-state bytes per device for ``strategy``; raise if they cannot fit.
+
+    DDP keeps everything on every rank (ZeRO stage 0); FSDP2 shards parameters,
+    gradients and AdamW state over the ``world_size`` ranks (stage 3). The script keeps
+    fp32 parameters and optimizer state in every precision (autocast and FSDP's
+    MixedPrecisionPolicy compute in bf16 but store fp32): 4 + 4 + 8 = 16 B/param.
+
+    Args:
+        n_params: parameters of the model.
+        strategy: "ddp" or "fsdp" (a key of the strategy table).
+        world_size: data-parallel ranks.
+        device_gb: the device's memory in GB (1e9 B); None (CPU) only estimates.
+    Returns:
+        The :class:`dtlib.memory.ModelStates` per device.
+    Raises:
+        DoesNotFit: the states exceed ``device_gb`` before a single activation.
+
+    Taught in: Chapter 10, "Refuse what cannot fit" (formula: Chapter 1).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not allowed; allowed: "
+                         f"{', '.join(STRATEGY_NAMES)}")
+    stage = STRATEGIES[strategy].zero_stage
+    states = model_state_bytes(n_params, zero_stage=stage, dp=world_size,
+                               precision="fp32", optimizer="adam")
+    if device_gb is not None and states.total > device_gb * GB:
+        raise DoesNotFit(
+            f"{strategy} on {world_size} ranks needs {states.total / GB:.1f} GB of "
+            f"model states per device (ZeRO stage {stage}, 16 B/param x "
+            f"{n_params:.3g} params) but the device has {device_gb:.0f} GB; use "
+            f"--strategy fsdp, more ranks or a smaller model")
+    return states
+
+
+def prepare_model(model: nn.Module, par: Parallelism, device: torch.device,
+                  sync_bn: bool | None = None) -> nn.Module:
+    """BatchNorm -> SyncBatchNorm, move to ``device``, *then* wrap (ERRATA 33).
+
+    DDP and FSDP register the parameters and buffers they see when they wrap; a
+    module swapped in afterwards is not what they synchronise, so the conversion comes
+    first (the PyTorch docs' order). The book's GPT, like Llama, has LayerNorm/RMSNorm
+    and no BatchNorm: the conversion is then a no-op, kept for models that have one.
+
+    Args:
+        model: the unwrapped model, identical on every rank.
+        par: the strategy's Parallelism; ``par.apply`` wraps (DDP), shards (FSDP2)
+            or splits and shards (FSDP x TP).
+        device: this rank's device (from :mod:`dtlib.runtime.dist`: local rank,
+            ERRATA 35).
+        sync_bn: convert BatchNorm; None converts on CUDA only (DDP refuses
+            SyncBatchNorm on CPU, where each rank keeps its own batch statistics).
+    Returns:
+        The wrapped model.
+
+    Taught in: Chapter 10, "Wrap in the right order".
+    """
+    if sync_bn if sync_bn is not None else device.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return par.apply(model.to(device))
+
+
+def lr_lambda(step: int, warmup: int, steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier: linear warm-up, then cosine decay to min_lr_ratio.
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def token_loss(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
+    """Summed fp32 cross-entropy of a micro-batch (the GPT's logits or a HF model's
+    ``ModelOutput``): what Chapter 8's accumulation normalises by the global tokens.
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    idx, targets = micro_batch
+    logits = logits_of(model(idx))
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                           reduction="sum")
+
+
+@dataclass
+class Job:
+    """One run, built: what :func:`dtlib.models.run.run_steps` and the checkpoint
+    code need.
+
+    cfg, world: the configuration and this process's world.
+    strategy: the row of the strategy table; par: its Parallelism.
+    model: the wrapped (or sharded) model; optimizer, scheduler, scaler (fp16 or
+        None): built after wrapping, restored by a resume.
+    data, sampler: the dataset and this rank's resumable sampler (the data state).
+    batch_fn, step_fn: ``run_steps``'s per-step local batch (``accum_steps``
+        micro-batches) and the accumulating step (Chapter 8).
+    n_params, states: the parameter count and the model-state bytes per device.
+    """
+
+    cfg: TrainConfig
+    world: ddist.World
+    strategy: Strategy
+    par: Parallelism
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    data: SyntheticTokens
+    sampler: ResumableSampler
+    batch_fn: Callable[[int], list[MicroBatch]]
+    step_fn: Callable[..., torch.Tensor]
+    n_params: int
+    states: ModelStates
+
+    @property
+    def global_tokens(self) -> int:
+        """Target tokens of one optimizer step over all data-parallel ranks."""
+        return self.cfg.tokens_per_micro_batch * self.cfg.accum_steps * self.par.dp_size
+
+
+def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
+    """Build every part of the run ``cfg`` describes, on this process's ``world``.
+
+    Every rank calls it (wrapping and sharding are collectives). Nothing is resumed
+    here: :func:`dtlib.train.state.resume` loads a checkpoint into the job.
+
+    Args:
+        cfg: the validated configuration.
+        world: the world (default: :func:`dtlib.runtime.dist.world`).
+    Returns:
+        The :class:`Job`.
+    Raises:
+        DoesNotFit: the model states cannot fit on the device.
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    world = world or ddist.world()
+    device = world.device
+    # ERRATA 34: count before allocating: the model itself, built on the meta device
+    # (shapes only), whatever it is (the GPT, a HF Llama, a config.json).
+    n_params = count_params(cfg)
+    device_gb = (torch.cuda.get_device_properties(device).total_memory / GB
+                 if device.type == "cuda" else None)
+    states = check_memory(n_params, cfg.strategy, world.world_size, device_gb)
+    strategy = STRATEGIES[cfg.strategy]
+    par = strategy.parallelism(cfg, world)
+    model = prepare_model(build_model(cfg), par, device)  # same weights everywhere
+    optimizer_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    opt = par.make_optimizer(model, optimizer_class, lr=cfg.lr,  # after wrapping
+                             weight_decay=cfg.weight_decay, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(
+        s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+    # fp16 needs a loss scaler, bf16 does not (Chapter 7); it is part of the state,
+    # so it exists before a resume restores its scale.
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale) \
+        if cfg.precision == "fp16" else None
+    data = SyntheticTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab_size, cfg.seed)
+    # Shard by data-parallel rank only: the tp ranks of one row read the same batch.
+    dp_rank = dist.get_rank(par.dp_group) if par.dp_size > 1 else 0
+    sampler = ResumableSampler(len(data), rank=dp_rank, world_size=par.dp_size,
+                               seed=cfg.seed)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    step_fn = accumulation_step(cfg.accum_steps, token_loss, autocast_dtype=low
+                                if strategy.autocast else None)
+    batch_fn = step_batches(data, sampler, cfg.micro_batch, cfg.accum_steps, device)
+    return Job(cfg, world, strategy, par, model, opt, sched, scaler, data, sampler,
+               batch_fn, step_fn, n_params, states)
