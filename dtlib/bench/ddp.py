@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dtlib.runtime import launch
 from dtlib.chapters.ch03_data_parallel.runs import VARIANTS, compare_variants
-from dtlib.models.gpt import GPTConfig
+from dtlib.models.sizes import size
+from dtlib.runtime import launch
 
 #: ~9.7M parameters: 4 blocks of width 448 (12 h^2 per block) plus embeddings.
-from dtlib.models.sizes import size
-
 BENCH_CFG = size("bench-ddp")
 
 
@@ -38,7 +36,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Measure every variant; return one record per variant, with ``ratio_to_torch``."""
     for name in ("world_size", "steps", "micro_batch"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} "
+                             "must be >= 1")
     per_rank = launch.spawn(compare_variants, args.world_size, BENCH_CFG,
                             args.micro_batch, args.steps, args.warmup,
                             args.bucket_cap_mb, VARIANTS, timeout=args.timeout,
