@@ -63,31 +63,33 @@ U = 2.0 ** -24
 TERMS = max(4 * TrainConfig().hidden, 4 * TrainConfig().seq_len)
 
 
-def loss_rtol(step: int) -> float:
+def loss_rtol(step: int, terms: int = TERMS) -> float:
     """Relative tolerance of step ``step``'s loss (and, at the last step, of the
-    parameter norm) against one process: ``step x TERMS x u``."""
-    return step * TERMS * U
+    parameter norm) against one process: ``step x terms x u``."""
+    return step * terms * U
 
 
-def _losses(summary: dict) -> list[float]:
-    return [summary["losses"][str(s)] for s in range(1, STEPS + 1)]
+def losses(summary: dict) -> list[float]:
+    """The summary's losses, step 1 first."""
+    return [summary["losses"][str(s)] for s in range(1, summary["end_step"] + 1)]
 
 
-def assert_equal_to_one_process(got: dict, ref: dict) -> None:
+def assert_equal_to_one_process(got: dict, ref: dict, terms: int = TERMS) -> None:
     """Every step's loss within rtol(step), the final parameter norm within
-    rtol(STEPS), of the one-process reference."""
-    for step, (a, b) in enumerate(zip(_losses(got), _losses(ref)), start=1):
-        torch.testing.assert_close(a, b, rtol=loss_rtol(step), atol=0,
+    rtol(last step), of the one-process reference (``terms``: the longest sum)."""
+    assert got["end_step"] == ref["end_step"]
+    for step, (a, b) in enumerate(zip(losses(got), losses(ref)), start=1):
+        torch.testing.assert_close(a, b, rtol=loss_rtol(step, terms), atol=0,
                                    msg=lambda m, s=step: f"step {s}: {m}")
     torch.testing.assert_close(got["param_norm"], ref["param_norm"],
-                               rtol=loss_rtol(STEPS), atol=0)
+                               rtol=loss_rtol(got["end_step"], terms), atol=0)
 
 
 # ---- runs ----------------------------------------------------------------------------
 
-def _one_process(*args: str) -> dict:
+def one_process(*argv: str) -> dict:
     """The script in this process (a world of one); its summary as JSON has it."""
-    cfg = parse_args([*BASE, *args])
+    cfg = parse_args(list(argv))
     owns = not dist.is_initialized()
     w = ddist.init()
     try:
@@ -105,9 +107,10 @@ def _missing_x_n(model: nn.Module, micro_batch) -> torch.Tensor:
 _TOKEN_LOSS = train_job.token_loss
 
 
-def _rank_runs(plan: list) -> dict:
+def rank_runs(plan: list) -> dict:
     """On every rank: each ``(name, argv, defect)`` of ``plan`` through the script's
     ``train``, in turn; a callable entry (file surgery between runs) runs on rank 0.
+    ``defect``: plant the missing x N.
 
     Returns ``{name: summary + {"text": rank 0's output, "warnings": [...]}}``.
     """
@@ -126,12 +129,17 @@ def _rank_runs(plan: list) -> dict:
             if defect:
                 train_job.token_loss = _missing_x_n
             try:
-                summary = train(parse_args([*BASE, *argv]), world())
+                summary = train(parse_args(argv), world())
             finally:
                 train_job.token_loss = _TOKEN_LOSS
         out[name] = {**json.loads(json.dumps(summary)), "text": text.getvalue(),
                      "warnings": [str(w.message) for w in caught]}
     return out
+
+
+def with_base(base: list[str], plan: list) -> list:
+    """``plan`` with ``base`` in front of every run's flags."""
+    return [e if callable(e) else (e[0], [*base, *e[1]], e[2]) for e in plan]
 
 
 def _damage_newest_shard(src: str, dst: str) -> None:
@@ -149,9 +157,9 @@ def one():
     """The one-process references, once each: 2 micro-batches of 2 accumulated (the
     global batch of 2 ranks x 2, and of dp 2 x tp 2), one micro-batch of 4, bf16."""
     torch.set_num_threads(1)
-    return {"sgd": _one_process(*SGD, "--accum-steps", "2"),
-            "sgd_big": _one_process(*SGD, "--micro-batch", "4"),
-            "bf16_big": _one_process(*SGD, "--micro-batch", "4", "--precision", "bf16")}
+    return {"sgd": one_process(*BASE, *SGD, "--accum-steps", "2"),
+            "sgd_big": one_process(*BASE, *SGD, "--micro-batch", "4"),
+            "bf16_big": one_process(*BASE, *SGD, "--micro-batch", "4", "--precision", "bf16")}
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +187,8 @@ def two(tmp_path_factory):
         ("fp16_crash", [*fp16, "--ckpt-dir", fp16_ckpt, "--stop-after", "5"], False),
         ("fp16_resume", [*fp16, "--ckpt-dir", fp16_ckpt], False),
     ]
-    res = launch.spawn(_rank_runs, 2, plan, stream=False, timeout=900)[0]
+    res = launch.spawn(rank_runs, 2, with_base(BASE, plan), stream=False,
+                       timeout=900)[0]
     res["fsdp_ckpt"] = fsdp_ckpt
     return res
 
@@ -200,7 +209,8 @@ def four(tmp_path_factory):
         ("tp_crash", [*tp, "--ckpt-dir", tp_ckpt, "--stop-after", "5"], False),
         ("tp_resume", [*tp, "--ckpt-dir", tp_ckpt], False),
     ]
-    return launch.spawn(_rank_runs, 4, plan, stream=False, timeout=900)[0]
+    return launch.spawn(rank_runs, 4, with_base(BASE, plan), stream=False,
+                        timeout=900)[0]
 
 
 # ---- equal to one process -------------------------------------------------------------
@@ -218,7 +228,7 @@ def test_a_missing_x_n_fails_the_comparison(one, two):
     undoes DDP's average halves every gradient on 2 ranks."""
     with pytest.raises(AssertionError):
         assert_equal_to_one_process(two["ddp_defect"], one["sgd"])
-    gap = abs(_losses(two["ddp_defect"])[-1] / _losses(one["sgd"])[-1] - 1)
+    gap = abs(losses(two["ddp_defect"])[-1] / losses(one["sgd"])[-1] - 1)
     assert gap > 10 * loss_rtol(STEPS), gap
 
 
