@@ -1,40 +1,77 @@
 """Chapter 8: gradient accumulation equals the large batch, on 1, 2 and 4 ranks.
 
-Tolerance: accumulating micro-batch gradients sums the same per-token contributions as
-one large-batch backward, in a different order (per micro-batch, then across
-micro-batches and, under DDP, across ranks), so float32 gradients agree to rounding
-(measured ~2e-7 relative): compared with rtol=1e-5, atol=1e-7. After 5 AdamW steps
-(lr=1e-3), whose update divides by gradient magnitudes, parameters are compared with
-rtol=1e-4, atol=1e-5, as in Chapter 3. The defects the chapter teaches (mean of means,
-a per-rank token count, the remainder divided by accum_steps) move gradients by > 1e-2
-relative and parameters by ~1e-3, far outside these tolerances; tests check that too.
+Tolerances (derived in ``fp32_tolerance.py``, never read off this CPU):
+
+- gradients: accumulating micro-batch gradients sums the same per-token
+  contributions as one large-batch backward, in another order (per micro-batch, then
+  across micro-batches and, under DDP, across ranks), and the kernels may block a
+  micro-batch's products differently from the large batch's. The longest reduction
+  is ``4h = 128`` terms (fc_proj), a gradient sums at most ``T`` target positions of
+  mixed sign (every position of the accumulated batch, all ranks), through ~4
+  reductions per block forward and backward over 2 blocks (8):
+  ``reorder_rel(128, 8, T)`` of each tensor's largest element.
+- parameters after ``STEPS`` steps of SGD with momentum (an update linear in the
+  gradient): ``lr * momentum_gain * rel * max|g|`` (the model's largest step-0
+  gradient), doubled for the feedback of slightly different parameters into later
+  gradients, plus one rounding of each update per step (``STEPS * u * max|p|``).
+- The defects the chapter teaches (mean of means, a per-rank token count, the
+  remainder divided by ``accum_steps``) are off by more than 10 times these bounds;
+  the tests check that too.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dtlib.runtime import launch
-from dtlib.accumulation.micro_batches import (EpochStats, accumulate_gradients, count_tokens,
-                                make_grad_scaler, micro_batch_groups, token_loss_sum,
-                                train_epoch)
-from dtlib.chapters.ch08_gradient_accumulation.runs import (TINY, ddp_suite, global_groups,
-                                        large_batch_grads, pad_collate,
-                                        reference_steps, relative_error,
-                                        variable_length_batches,
-                                        variable_length_dataset)
-from dtlib.chapters.ch08_gradient_accumulation.seed import (SEED_BATCH_SIZE, scaler_with_bf16,
-                                     seed_accumulate, seed_epoch, seed_rebuilt_loader)
-from dtlib.chapters.ch03_data_parallel.runs import grads_of, params_of
+from fp32_tolerance import U32, assert_all_scaled, max_abs, momentum_gain, reorder_rel
+from dtlib.accumulation import (EpochStats, accumulate_gradients, accumulation_step,
+                                count_tokens, make_grad_scaler, micro_batch_groups,
+                                token_loss_sum, train_epoch)
+from dtlib.chapters.ch08_gradient_accumulation.runs import (
+    TINY, ddp_suite, global_groups, large_batch_grads, pad_collate, reference_steps,
+    variable_length_batches, variable_length_dataset)
+from dtlib.chapters.ch08_gradient_accumulation.seed import (
+    SEED_BATCH_SIZE, scaler_with_bf16, seed_accumulate, seed_epoch,
+    seed_rebuilt_loader)
 from dtlib.exercises import WrongAnswer
 from dtlib.exercises.accumulation import check_allreduce_calls
 from dtlib.models.gpt import build_gpt, token_batch
+from dtlib.models.reference import grads_of, params_of
+from dtlib.models.run import Parallelism, RunResult, run_steps
+from dtlib.runtime import launch
 
-GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
-PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
-STEPS = 5
+STEPS, LR, MOMENTUM = 5, 0.05, 0.9
+SGD = dict(lr=LR, optimizer_class=torch.optim.SGD, momentum=MOMENTUM)
+ONE = Parallelism()  # one process
+
+
+def grad_rel(positions: int) -> float:
+    """Scale-relative gradient bound for ``positions`` targets summed (docstring)."""
+    return reorder_rel(4 * TINY.hidden, 8, positions)
+
+
+def positions(groups: list) -> int:
+    """Target positions (padding included: an upper bound) of one step's batch."""
+    return max(sum(mb[1].numel() for mb in g) for g in groups)
+
+
+def param_bound(rel: float, ref: RunResult) -> float:
+    return (2 * LR * momentum_gain(STEPS, MOMENTUM) * rel * max_abs(ref.grads)
+            + STEPS * U32 * max_abs(ref.params))
+
+
+def max_diff(got: dict, want: dict) -> float:
+    return max((got[k].double() - want[k].double()).abs().max().item() for k in want)
+
+
+def grad_excess(got: dict, want: dict, rel: float) -> float:
+    """How many times its tolerance the worst tensor's gradient difference is."""
+    return max((got[k].double() - w.double()).abs().max().item()
+               / (rel * w.abs().max().item()) for k, w in want.items())
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,11 +81,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def _assert_all_close(got: dict, want: dict, tol: dict, what: str) -> None:
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **tol, msg=f"{what} {name}")
 
 
 def test_pad_collate_and_token_count() -> None:
@@ -79,9 +111,11 @@ def test_equal_length_micro_batches_equal_one_big_batch() -> None:
     model.zero_grad(set_to_none=True)
     k = 4
     group = list(zip(idx.chunk(k), targets.chunk(k)))
-    stats = accumulate_gradients(model, group)
+    stats = accumulate_gradients(ONE, model, group)
     assert stats.micro_batches == k and stats.tokens == 8 * TINY.seq_len
-    _assert_all_close(grads_of(model), truth, GRAD_TOL, "grad")
+    assert stats.global_tokens == stats.tokens
+    assert isinstance(stats.loss_sum, torch.Tensor)  # no host read per micro-batch
+    assert_all_scaled(grads_of(model), truth, grad_rel(8 * TINY.seq_len), "grad")
 
 
 def test_variable_length_token_normalised_matches_mean_of_means_does_not() -> None:
@@ -90,14 +124,14 @@ def test_variable_length_token_normalised_matches_mean_of_means_does_not() -> No
     assert len(set(counts)) > 1, "the test needs unequal token counts"
     model = build_gpt(TINY)
     truth = large_batch_grads(model, group)
-    accumulate_gradients(model, group)
+    accumulate_gradients(ONE, model, group)
     ours = grads_of(model)
     model.zero_grad(set_to_none=True)
     seed_accumulate(model, group, accum_steps=len(group))
     seed = grads_of(model)
-    _assert_all_close(ours, truth, GRAD_TOL, "grad")
-    assert relative_error(ours, truth) < 1e-5
-    assert relative_error(seed, truth) > 1e-2
+    rel = grad_rel(positions([group]))
+    assert_all_scaled(ours, truth, rel, "grad")
+    assert grad_excess(seed, truth, rel) > 10
 
 
 @pytest.mark.parametrize("remainder", [1, 3])
@@ -107,14 +141,23 @@ def test_remainder_group(remainder: int) -> None:
     group = list(zip(idx.split(1), targets.split(1)))
     model = build_gpt(TINY)
     truth = large_batch_grads(model, group)
-    accumulate_gradients(model, group)
-    _assert_all_close(grads_of(model), truth, GRAD_TOL, "grad")
+    accumulate_gradients(ONE, model, group)
+    rel = grad_rel(remainder * TINY.seq_len)
+    assert_all_scaled(grads_of(model), truth, rel, "grad")
     model.zero_grad(set_to_none=True)
     seed_accumulate(model, group, accum_steps)
     # The seed's remainder gradient is remainder / accum_steps of the right one.
-    for name, g in grads_of(model).items():
-        torch.testing.assert_close(g, truth[name] * remainder / accum_steps,
-                                   **GRAD_TOL)
+    seed = grads_of(model)
+    assert_all_scaled(seed, {k: g * remainder / accum_steps for k, g in truth.items()},
+                      rel, "seed grad")
+    assert grad_excess(seed, truth, rel) > 10
+
+
+def _seed_step(accum_steps: int) -> Callable[..., torch.Tensor]:
+    def step(par, model, group, loss_fn, scaler=None):  # noqa: ANN001, ANN202
+        seed_accumulate(model, group, accum_steps)
+        return torch.zeros(())
+    return step
 
 
 def test_train_epoch_equals_large_batch_steps_with_a_remainder() -> None:
@@ -123,35 +166,39 @@ def test_train_epoch_equals_large_batch_steps_with_a_remainder() -> None:
     loader = DataLoader(data, batch_size=micro_batch, collate_fn=pad_collate)
     groups = list(micro_batch_groups(loader, accum_steps))
     assert [len(g) for g in groups] == [3, 3, 3, 3, 1]
-    ref = reference_steps(TINY, groups)
+    ref = reference_steps(TINY, groups, **SGD)
+    bound = param_bound(grad_rel(positions(groups)), ref)
     model = build_gpt(TINY)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stats = train_epoch(model, opt, loader, accum_steps)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    stats = train_epoch(ONE, model, opt, loader, accum_steps)
     assert stats.optimizer_steps == 5 and stats.micro_batches == 13
     assert stats.tokens == sum(count_tokens(mb) for g in groups for mb in g)
-    _assert_all_close(params_of(model), ref["params"], PARAM_TOL, "param")
-    # The seed's division of the remainder by accum_steps ends elsewhere.
-    model = build_gpt(TINY)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for g in groups:
-        seed_accumulate(model, g, accum_steps)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert relative_error(params_of(model), ref["params"]) > 1e-4
+    err = max_diff(params_of(model), ref.params)
+    assert err <= bound, f"params: max |diff| {err:.3e} > {bound:.3e}"
+    for got, want in zip(stats.losses, ref.losses):  # T positive terms, 8 sums
+        assert abs(got - want) <= 2 * reorder_rel(positions(groups), 8) * want
+    # The seed's division of the remainder by accum_steps ends elsewhere: the one
+    # loop with the seed's accumulation as its step.
+    seed = run_steps(ONE, build_gpt(TINY), groups.__getitem__, len(groups),
+                     local=True, optimizer_class=torch.optim.SGD,
+                     optimizer_kwargs=dict(lr=LR, momentum=MOMENTUM),
+                     step_fn=_seed_step(accum_steps))
+    assert max_diff(seed.params, ref.params) > 10 * bound
 
 
 def test_empty_loader() -> None:
     model = build_gpt(TINY)
     before = params_of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stats = train_epoch(model, opt, [], 4)
+    stats = train_epoch(ONE, model, opt, [], 4)
     assert stats.optimizer_steps == 0 and stats.micro_batches == 0
     assert stats.loss != stats.loss  # nan: nothing was measured
-    _assert_all_close(params_of(model), before, dict(rtol=0, atol=0), "param")
+    for name, p in params_of(model).items():
+        assert torch.equal(p, before[name]), name
     with pytest.raises(NameError):
         seed_epoch(model, opt, [], 4)
     with pytest.raises(ValueError, match="group"):
-        accumulate_gradients(model, [])
+        accumulate_gradients(ONE, model, [])
 
 
 def test_train_epoch_reads_the_callers_loader() -> None:
@@ -164,8 +211,8 @@ def test_train_epoch_reads_the_callers_loader() -> None:
         return token_loss_sum(model, micro_batch)
 
     model = build_gpt(TINY)
-    stats = train_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, 4,
-                        loss_fn=recording_loss)
+    stats = train_epoch(ONE, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        loader, 4, loss_fn=recording_loss)
     assert sizes == [4] * 10 and stats.optimizer_steps == 3
     assert next(iter(seed_rebuilt_loader(loader)))[0].shape[0] == SEED_BATCH_SIZE
 
@@ -186,7 +233,8 @@ def test_train_epoch_bf16_runs_without_scaler() -> None:
     loader = variable_length_batches(TINY, 4, 2, seed=4)
     model = build_gpt(TINY)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    stats = train_epoch(model, opt, loader, 2, dtype=torch.bfloat16, max_grad_norm=1.0)
+    stats = train_epoch(ONE, model, opt, loader, 2, dtype=torch.bfloat16,
+                        max_grad_norm=1.0)
     assert isinstance(stats, EpochStats) and stats.optimizer_steps == 2
     assert torch.isfinite(torch.tensor(stats.loss))
 
@@ -197,8 +245,8 @@ def test_train_epoch_fp16_steps_through_a_grad_scaler() -> None:
     before = params_of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     try:
-        stats = train_epoch(model, opt, loader, 2, dtype=torch.float16)
-    except RuntimeError as exc:  # older torch: no float16 autocast/scaler on this device
+        stats = train_epoch(ONE, model, opt, loader, 2, dtype=torch.float16)
+    except RuntimeError as exc:  # older torch: no float16 autocast/scaler here
         pytest.skip(f"float16 autocast with GradScaler unsupported here: {exc}")
     assert stats.optimizer_steps == 2
     moved = max((p - before[n]).abs().max().item() for n, p in params_of(model).items())
@@ -207,7 +255,28 @@ def test_train_epoch_fp16_steps_through_a_grad_scaler() -> None:
     assert 1e-3 < moved < 3e-3
 
 
-ACCUM = 3
+def test_accumulation_step_splits_a_tuple_and_keeps_its_stats() -> None:
+    idx, targets = token_batch(TINY, 8, seed=3)
+    step = accumulation_step(4)
+    assert [mb[0].shape[0] for mb in step.micro_batches((idx, targets))] == [2] * 4
+    with pytest.raises(ValueError, match="accum_steps=4"):
+        step.micro_batches((idx[:6], targets[:6]))
+    with pytest.raises(ValueError, match="accum_steps"):
+        accumulation_step(0)
+    # The one loop with it equals the whole batch at once (mean loss, same rows).
+    ref = run_steps(ONE, build_gpt(TINY), lambda k: (idx, targets), 2,
+                    optimizer_class=torch.optim.SGD, optimizer_kwargs={"lr": LR})
+    got = run_steps(ONE, build_gpt(TINY), lambda k: (idx, targets), 2,
+                    optimizer_class=torch.optim.SGD, optimizer_kwargs={"lr": LR},
+                    step_fn=step)
+    assert len(step.stats) == 2 and step.stats[0].micro_batches == 4
+    rel = grad_rel(8 * TINY.seq_len)
+    assert_all_scaled(got.grads, ref.grads, rel, "grad")
+    for a, b in zip(got.losses, ref.losses):  # 128 positive terms, 8 sums, doubled
+        assert abs(a - b) <= 2 * reorder_rel(8 * TINY.seq_len, 8) * b
+
+
+ACCUM, MICRO = 3, 2
 RUNS = [dict(variant=v, method=m, use_no_sync=ns)
         for v, m, ns in [("torch", "tokens", True), ("torch", "tokens", False),
                          ("bucketed", "tokens", True), ("bucketed", "tokens", False),
@@ -216,29 +285,49 @@ RUNS = [dict(variant=v, method=m, use_no_sync=ns)
                          ("overlapped", "trainer", True)]]
 
 
+@pytest.fixture(scope="module")
+def ddp_runs() -> Callable[[int], tuple[dict[tuple, list[Any]], RunResult, list]]:
+    """``ddp_runs(n)``: every configuration on ``n`` ranks (one launch), by key, and
+    the one-process reference on the same global groups (computed once)."""
+    cache: dict[int, tuple] = {}
+
+    def get(n: int) -> tuple:
+        if n not in cache:
+            runs = [dict(cfg=TINY, accum_steps=ACCUM, micro_batch=MICRO, steps=STEPS,
+                         lr=LR, optimizer_class=torch.optim.SGD,
+                         optimizer_kwargs={"momentum": MOMENTUM}, **r) for r in RUNS]
+            results = launch.spawn(ddp_suite, n, runs, stream=False, timeout=300)
+            groups = global_groups(TINY, n, ACCUM, MICRO, STEPS)
+            by_run = {(r["variant"], r["method"], r["use_no_sync"]):
+                      [res[i] for res in results] for i, r in enumerate(RUNS)}
+            cache[n] = by_run, reference_steps(TINY, groups, **SGD), groups
+        return cache[n]
+    return get
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_ddp_accumulation_equals_large_batch(world_size: int) -> None:
-    runs = [dict(cfg=TINY, accum_steps=ACCUM, micro_batch=2, steps=STEPS, **r)
-            for r in RUNS]
-    results = launch.spawn(ddp_suite, world_size, runs, stream=False, timeout=180)
-    ref = reference_steps(TINY, global_groups(TINY, world_size, ACCUM, 2, STEPS))
-    by_run = {(r["variant"], r["method"], r["use_no_sync"]): [res[i] for res in results]
-              for i, r in enumerate(RUNS)}
+def test_ddp_accumulation_equals_large_batch(world_size: int, ddp_runs) -> None:
+    by_run, ref, groups = ddp_runs(world_size)
+    rel = grad_rel(positions(groups))
+    bound = param_bound(rel, ref)
     # Ranks really held different numbers of tokens (else a per-rank count is right).
     assert len({res["tokens"][0] for res in by_run["torch", "tokens", True]}) > 1
     for key, per_rank in by_run.items():
         for rank, res in enumerate(per_rank):
+            what = f"{key}, rank {rank}"
+            if key[1] in ("tokens", "trainer"):
+                err = max_diff(res["params"], ref.params)
+                assert err <= bound, f"{what} params: {err:.3e} > {bound:.3e}"
             if key[1] == "trainer":
                 assert res["stats"].optimizer_steps == STEPS
-                _assert_all_close(res["params"], ref["params"], PARAM_TOL,
-                                  f"{key} param")
             elif key[1] == "tokens":
-                _assert_all_close(res["grads"], ref["grads"], GRAD_TOL, f"{key} grad")
-                _assert_all_close(res["params"], ref["params"], PARAM_TOL,
-                                  f"{key} param")
+                assert_all_scaled(res["grads"], ref.grads, rel, f"{what} grad")
                 assert res["count_allreduces"] == [1] * STEPS  # one int per group
-            else:
-                assert relative_error(res["grads"], ref["grads"]) > 1e-2, key
+                for a, b in zip(res.losses, ref.losses):  # positive terms, doubled
+                    assert abs(a - b) <= 2 * reorder_rel(positions(groups), 8) * b
+            else:  # the chapter's defects fail the same comparison by far
+                assert grad_excess(res["grads"], ref.grads, rel) > 10, what
+                assert max_diff(res["params"], ref.params) > 10 * bound, what
     for variant in ("torch", "bucketed"):
         quiet = by_run[variant, "tokens", True][0]["grad_allreduces"]
         loud = by_run[variant, "tokens", False][0]["grad_allreduces"]

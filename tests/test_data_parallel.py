@@ -135,7 +135,7 @@ DEFECTS: dict[str, Callable[..., DataParallelism]] = {
 # ---- what the ranks run: one launch per world size ----------------------------------
 
 def _no_sync_step(variant: str) -> dict:
-    """Two micro-batches: the first inside no_sync (counted), the second synchronised."""
+    """Two micro-batches: the first inside no_sync (counted), the second synced."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DataParallel(MLP((8, 16, 4)), variant=variant, bucket_cap_mb=0.001)
@@ -361,7 +361,7 @@ def test_validation(suite) -> None:
         parallelism("torch")
 
 
-# ---- exercise checkers: each accepts the right answer and rejects wrong ones ----------
+# ---- exercise checkers: each accepts the right answer and rejects wrong ones ------
 
 def good_hook(group, bucket):
     buf = bucket.buffer()
@@ -436,4 +436,5 @@ def test_sampler_padding_counts_a_sample_twice() -> None:
     # Without set_epoch, every epoch is the same order.
     same = sampling.epoch_orders(10, 2, 0, 3, set_epoch=False)
     assert same[0] == same[1] == same[2]
-    assert sampling.epoch_orders(10, 2, 0, 3)[0] != sampling.epoch_orders(10, 2, 0, 3)[1]
+    orders = sampling.epoch_orders(10, 2, 0, 3)
+    assert orders[0] != orders[1]
