@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,15 +24,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtlib.runtime import launch
-from dtlib.runtime.dist import sync, world
+from dtlib.runtime.dist import world
 from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
+from dtlib.models.run import Parallelism, run_steps
+from dtlib.chapters.ch04_zero_fsdp.runs import StateAfterStep, optimizer_of
 
 #: The GPT trained here: small enough for 4 CPU ranks, every size divisible by 4.
 BENCH_GPT = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=64, n_heads=4)
 TEST_GPT = dict(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=2)
 #: An MLP with 111 parameters (81 + 30): divisible by neither 2 nor 4.
 ODD_MLP = (8, 9, 3)
-IMPLS = ("zero", "fsdp2")
+VARIANTS = ("zero", "fsdp2")
 
 
 def _model_and_batch(model: str, gpt: dict | None, batch: int, seed: int
@@ -53,126 +53,130 @@ def _model_and_batch(model: str, gpt: dict | None, batch: int, seed: int
     raise ValueError(f"model={model!r} not allowed; allowed: 'gpt', 'mlp'")
 
 
-def _loss(net: nn.Module, model: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if model == "gpt":
-        logits = net(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
-                               y.reshape(-1))
+def gpt_cross_entropy(net: nn.Module, x: torch.Tensor, y: torch.Tensor
+                      ) -> torch.Tensor:
+    """Mean next-token cross-entropy of the GPT's logits (in fp32)."""
+    logits = net(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                           y.reshape(-1))
+
+
+def mse(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of the MLP's output (in fp32)."""
     return F.mse_loss(net(x).float(), y)
 
 
+LOSSES = {"gpt": gpt_cross_entropy, "mlp": mse}
+
+
 def reference_params(model: str = "gpt", steps: int = 5, world_size: int = 1,
-                     batch_per_rank: int = 2, lr: float = 1e-2, clip: float = 1.0,
-                     gpt: dict | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Single-process AdamW on the whole global batch: what every sharding must match.
-
-    Returns:
-        Parameters by name after ``steps`` steps.
-    """
-    net, x, y = _model_and_batch(model, gpt, world_size * batch_per_rank, seed)
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1)
-    for _ in range(steps):
-        _loss(net, model, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
-
-
-def train_rank(impl: str = "zero", stage: int = 3, model: str = "gpt", steps: int = 5,
-               batch_per_rank: int = 2, lr: float = 1e-2, clip: float = 1.0,
-               bf16: bool = False, gpt: dict | None = None, seed: int = 0,
-               compare: bool = True) -> dict[str, Any]:
-    """On every rank: train with ``impl`` for ``steps`` steps and measure it.
+                     batch_per_rank: int = 2, lr: float = 1e-2,
+                     clip: float | None = 1.0, gpt: dict | None = None, seed: int = 0,
+                     optimizer: str = "adamw") -> dict[str, torch.Tensor]:
+    """One process on the whole global batch: what every sharding must match.
 
     Args:
-        impl: ``"zero"`` (:class:`dtlib.zero.ZeRO`) or ``"fsdp2"`` (``fully_shard``).
+        optimizer: a key of ``dtlib.chapters.ch04_zero_fsdp.runs.OPTIMIZERS``.
+        clip: the gradient-norm clip, or None.
+    Returns:
+        Parameters by name (CPU) after ``steps`` steps.
+
+    Taught in: Chapter 4, "Does it train the same model?".
+    """
+    net, x, y = _model_and_batch(model, gpt, world_size * batch_per_rank, seed)
+    cls, kwargs = optimizer_of(optimizer, lr)
+    return run_steps(Parallelism(), net, lambda step: (x, y), steps,
+                     optimizer_class=cls, optimizer_kwargs=kwargs,
+                     loss_fn=LOSSES[model], max_grad_norm=clip,
+                     record_grads=False).params
+
+
+def compare_params(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                   init: dict[str, torch.Tensor]) -> dict[str, float]:
+    """How far ``params`` landed from ``ref``, absolute and relative to how far
+    the reference moved from ``init``.
+
+    Returns:
+        ``{"max_abs_err", "max_abs_param", "rel_update_err"}``: the largest
+        ``|params - ref|``, the largest ``|ref|``, and ``|params - ref| /
+        |ref - init|`` over the whole model (the yardstick for bf16, whose rounding
+        changes every update a little).
+    """
+    err = sum(float((params[n] - r).pow(2).sum()) for n, r in ref.items())
+    moved = sum(float((r - init[n]).pow(2).sum()) for n, r in ref.items())
+    return {"max_abs_err": max(float((params[n] - r).abs().max())
+                               for n, r in ref.items()),
+            "max_abs_param": max(float(r.abs().max()) for r in ref.values()),
+            "rel_update_err": (err / moved) ** 0.5 if moved else 0.0}
+
+
+def train_rank(variant: str = "zero", stage: int = 3, model: str = "gpt",
+               steps: int = 5, batch_per_rank: int = 2, lr: float = 1e-2,
+               clip: float | None = 1.0, bf16: bool = False, gpt: dict | None = None,
+               seed: int = 0, compare: bool = True, optimizer: str = "adamw",
+               keep_params: bool = False,
+               reference: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """On every rank: train with ``variant`` for ``steps`` steps and measure it.
+
+    Args:
+        variant: ``"zero"`` (:func:`dtlib.zero.parallelism` ``(stage)``, the book's)
+            or ``"fsdp2"`` (``fully_shard``).
         stage: ZeRO stage 1-3 (FSDP2 is stage 3).
         model: ``"gpt"`` or ``"mlp"`` (111 parameters: no world size divides them).
         batch_per_rank: samples per rank; the global batch is sliced by rank.
+        clip: the gradient-norm clip, or None.
         bf16: FSDP2 only: bf16 parameters in compute, fp32 reduction.
-        compare: also train the single-process reference and report the difference.
+        compare: also compare with the single-process run (``reference``, or
+            :func:`reference_params` trained here).
+        optimizer: a key of ``dtlib.chapters.ch04_zero_fsdp.runs.OPTIMIZERS``.
+        keep_params: return the full parameters too (``"params"``, CPU).
     Returns:
-        A dict: n_params, state (bytes by role, after a step, before zero_grad),
-        comm_elements (ZeRO convention, step 2), comm_summary, step_time_s (median),
-        max_abs_err, max_abs_param and rel_update_err (|params - reference| over
-        |reference - initial|, whole model) against the reference, on this rank.
+        A dict: n_params, state (bytes by role, after the last step, before
+        zero_grad), comm_elements (ZeRO convention, step 2), comm_summary,
+        step_time_s (median), losses, and with ``compare`` the keys of
+        :func:`compare_params`.
 
     Taught in: Chapter 4, measured vs predicted.
     """
     from dtlib.collectives.accounting import count_comms
-    from dtlib.zero.optimizer import ZeRO, zero_comm_elements
+    from dtlib.zero import parallelism, bf16_policy, zero_comm_elements
 
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} not allowed; allowed: {IMPLS}")
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} not allowed; allowed: {VARIANTS}")
+    cls, kwargs = optimizer_of(optimizer, lr)
+    world_size = dist.get_world_size()
     net, x, y = _model_and_batch(model, gpt, world_size * batch_per_rank, seed)
     device = world().device  # cpu under gloo, this rank's GPU under NCCL
-    net = net.to(device)
-    x, y = x.chunk(world_size)[rank].to(device), y.chunk(world_size)[rank].to(device)
+    net, x, y = net.to(device), x.to(device), y.to(device)
     n_params = sum(p.numel() for p in net.parameters())
     init = {n: p.detach().cpu().clone() for n, p in net.named_parameters()}
-    if impl == "zero":
-        wrapped = ZeRO(net, stage, lr=lr, weight_decay=0.1)
-        opt: Any = wrapped
-    else:
-        from dtlib.zero.fsdp import bf16_policy, shard_fsdp2
-
-        wrapped = shard_fsdp2(net, mp_policy=bf16_policy() if bf16 else None)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=lr, weight_decay=0.1)
-    times, comm, summary, state = [], 0, [], {}
-    for i in range(steps):
-        counting = i == 1 or steps == 1
-        sync()  # CUDA: start the clock on an idle device
-        t0 = time.perf_counter()
-        with count_comms() if counting else nullcontext() as log:
-            _loss(wrapped, model, x, y).backward()
-            if impl == "zero":
-                wrapped.clip_grad_norm_(clip)
-            else:
-                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
-            opt.step()
-        if counting:
-            comm, summary = zero_comm_elements(log), log.summary()
-        else:
-            sync()  # CUDA: the step's kernels have finished, not only been queued
-            times.append(time.perf_counter() - t0)
-        if i == steps - 1:
-            if impl == "zero":
-                state = wrapped.state_bytes()
-            else:
-                from dtlib.zero.fsdp import fsdp_state_bytes
-
-                state = fsdp_state_bytes(wrapped, opt)
-        opt.zero_grad()
-    if impl == "zero":
-        params = wrapped.full_parameters()
-    else:
-        from dtlib.zero.fsdp import full_parameters
-
-        params = full_parameters(wrapped)
-    out = {"impl": impl, "stage": stage, "world_size": world_size,
-           "n_params": n_params, "state": state, "comm_elements": comm,
-           "comm_summary": summary,
+    par = parallelism(stage) if variant == "zero" else parallelism(
+        3, variant="fsdp2", mp_policy=bf16_policy() if bf16 else None)
+    wrapped = par.apply(net)
+    opt = par.make_optimizer(wrapped, cls, **kwargs)
+    probe = StateAfterStep(opt, lambda: par.state_bytes(wrapped, opt), steps)
+    counted = 1 if steps > 1 else 0
+    run = run_steps(par, net, lambda step: (x, y), steps, wrapped=wrapped,
+                    optimizer=probe, loss_fn=LOSSES[model], max_grad_norm=clip,
+                    comms=count_comms, comms_step=counted, record_grads=False)
+    times = [t for i, t in enumerate(run.step_times) if i != counted]
+    out = {"variant": variant, "stage": stage, "world_size": world_size,
+           "n_params": n_params, "state": probe.state,
+           "comm_elements": zero_comm_elements(run.comms),
+           "comm_summary": run.comms.summary(), "losses": run.losses,
            "step_time_s": statistics.median(times) if times else float("nan")}
-    if impl == "fsdp2":
+    if variant == "fsdp2":
         out["shards"] = [
             {"name": name, "full_shape": tuple(q.shape),
              "local_shape": tuple(q.to_local().shape),
              "placements": str(tuple(q.placements)), "dtype": str(q.dtype)}
             for name, q in list(wrapped.named_parameters())[:4]]
-    params = {n: t.cpu() for n, t in params.items()}
+    if keep_params:
+        out["params"] = run.params
     if compare:
-        ref = reference_params(model, steps, world_size, batch_per_rank, lr, clip,
-                               gpt, seed)
-        out["max_abs_err"] = max(float((params[n] - r).abs().max())
-                                 for n, r in ref.items())
-        out["max_abs_param"] = max(float(r.abs().max()) for r in ref.values())
-        # How far the training moved, and how far from the reference it landed:
-        # the yardstick for bf16, whose rounding changes every update a little.
-        err = sum(float((params[n] - r).pow(2).sum()) for n, r in ref.items())
-        moved = sum(float((r - init[n]).pow(2).sum()) for n, r in ref.items())
-        out["rel_update_err"] = (err / moved) ** 0.5 if moved else 0.0
+        ref = reference if reference is not None else reference_params(
+            model, steps, world_size, batch_per_rank, lr, clip, gpt, seed, optimizer)
+        out.update(compare_params(run.params, ref, init))
     return out
 
 
@@ -184,14 +188,20 @@ def compare_all(model: str = "gpt", steps: int = 5, gpt: dict | None = None
         ``{"zero1": ..., "zero2": ..., "zero3": ..., "fsdp2": ..., "fsdp2_bf16": ...}``
         of :func:`train_rank` results. One launch for Chapter 4's tables.
     """
-    out = {f"zero{s}": train_rank("zero", s, model, steps, gpt=gpt) for s in (1, 2, 3)}
-    out["fsdp2"] = train_rank("fsdp2", 3, model, steps, gpt=gpt)
-    out["fsdp2_bf16"] = train_rank("fsdp2", 3, model, steps, gpt=gpt, bf16=True)
+    ref = reference_params(model, steps, dist.get_world_size(), gpt=gpt)
+    out = {f"zero{s}": train_rank("zero", s, model, steps, gpt=gpt, reference=ref)
+           for s in (1, 2, 3)}
+    out["fsdp2"] = train_rank("fsdp2", 3, model, steps, gpt=gpt, reference=ref)
+    out["fsdp2_bf16"] = train_rank("fsdp2", 3, model, steps, gpt=gpt, bf16=True,
+                                   reference=ref)
     return out
 
 
 def to_record(per_rank: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """One benchmark record from every rank's :func:`train_rank` result."""
+    """One benchmark record from every rank's :func:`train_rank` result.
+
+    Taught in: Chapter 4, "Memory, measured".
+    """
     from dtlib.memory.formulas import model_state_bytes
 
     r0 = per_rank[0]
@@ -200,7 +210,7 @@ def to_record(per_rank: list[dict[str, Any]], name: str) -> dict[str, Any]:
                                   precision="fp32", optimizer="adam").total
     measured = max(r["state"]["total"] for r in per_rank)
     comm = max(r["comm_elements"] for r in per_rank)
-    return {"impl": name, "stage": stage, "world_size": world_size, "n_params": n,
+    return {"variant": name, "stage": stage, "world_size": world_size, "n_params": n,
             "measured_state_bytes": measured, "predicted_state_bytes": predicted,
             "state_ratio": measured / predicted, "comm_elements_per_step": comm,
             "comm_over_psi": comm / n,
@@ -220,9 +230,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     gpt = {**BENCH_GPT, "n_layers": args.layers, "hidden": args.hidden}
     runs = [("zero", 1), ("zero", 2), ("zero", 3), ("fsdp2", 3)]
     records = []
-    for impl, stage in runs:
-        ranks = launch.spawn(train_rank, args.nproc, impl=impl, stage=stage,
+    for variant, stage in runs:
+        ranks = launch.spawn(train_rank, args.nproc, variant=variant, stage=stage,
                              model="gpt", steps=max(args.steps, 3), gpt=gpt,
                              compare=False, stream=False, timeout=300)
-        records.append(to_record(ranks, "fsdp2" if impl == "fsdp2" else f"zero{stage}"))
+        records.append(to_record(ranks, "fsdp2" if variant == "fsdp2"
+                                 else f"zero{stage}"))
     return records

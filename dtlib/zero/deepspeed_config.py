@@ -3,8 +3,8 @@
 DeepSpeed reads a JSON dict; it derives what is missing of ``train_batch_size``,
 ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps`` from
 ``train_batch_size = micro_batch * accum_steps * world_size``, and refuses a config
-where the three disagree, but only once the job has started on all its GPUs. The checks here
-run anywhere, without DeepSpeed installed, and say what is wrong in words.
+where the three disagree, but only once the job has started on all its GPUs. The checks
+here run anywhere, without DeepSpeed installed, and say what is wrong in words.
 
 Taught in: Chapter 4, "The seed's DeepSpeed config".
 """
@@ -152,8 +152,8 @@ def _resolve_batch(cfg: dict[str, Any], world_size: int,
         if tbs % (accum * world_size):
             errors.append(
                 f"train_batch_size={tbs} is not divisible by "
-                f"gradient_accumulation_steps x world_size = {accum} x {world_size} = {accum * world_size}: no "
-                "integer micro-batch per GPU exists")
+                f"gradient_accumulation_steps x world_size = {accum} x {world_size} = "
+                f"{accum * world_size}: no integer micro-batch per GPU exists")
             return tbs, 0, accum
         return tbs, tbs // (accum * world_size), accum
     if accum is None:

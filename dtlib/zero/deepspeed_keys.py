@@ -51,7 +51,8 @@ class KeyLists:
     removed: dict[str, str]
 
 
-_REMOVED_WHY = "removed in DeepSpeed 0.19 (github.com/deepspeedai/DeepSpeed/issues/8489)"
+_REMOVED_WHY = ("removed in DeepSpeed 0.19 "
+                "(github.com/deepspeedai/DeepSpeed/issues/8489)")
 
 #: DeepSpeed 0.19.8's lists, read by :func:`installed_keys` and stored here.
 SNAPSHOT = KeyLists(

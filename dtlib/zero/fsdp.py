@@ -22,7 +22,9 @@ try:  # torch >= 2.6 exports FSDP2 here
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
+from dtlib.models.run import full_tensor, local_tensor
 from dtlib.zero.flat_params import default_unit_modules
+from dtlib.zero.shards import storage_bytes
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "shard_fsdp2", "bf16_policy",
            "fsdp_state_bytes", "full_parameters", "DEEPSPEED_TO_FSDP"]
@@ -69,42 +71,32 @@ def shard_fsdp2(model: nn.Module, unit_modules: list[nn.Module] | None = None,
     return model
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def fsdp_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer
                      ) -> dict[str, int]:
     """Bytes of model states this rank holds (local shards, unique storages).
 
     Returns:
         ``{"params", "grads", "optimizer", "total"}`` without step counters.
+
+    Taught in: Chapter 4, "FSDP2".
     """
     seen: set[int] = set()
-
-    def size(tensors: Any) -> int:
-        total = 0
-        for t in tensors:
-            if t is None:
-                continue
-            s = _local(t).untyped_storage()
-            if s.data_ptr() in seen or s.nbytes() == 0:
-                continue
-            seen.add(s.data_ptr())
-            total += s.nbytes()
-        return total
-
     params = list(model.parameters())
-    p = size(params)
-    g = size(q.grad for q in params)
-    o = size(v for st in optimizer.state.values() for k, v in st.items()
-             if k != "step" and torch.is_tensor(v))
+    p = storage_bytes((local_tensor(q) for q in params), seen)
+    g = storage_bytes((local_tensor(q.grad) for q in params if q.grad is not None),
+                      seen)
+    o = storage_bytes((local_tensor(v) for st in optimizer.state.values()
+                       for k, v in st.items() if k != "step" and torch.is_tensor(v)),
+                      seen)
     return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter, full size, by name (a collective: call on all ranks)."""
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    """Every parameter, full size, by name (a collective: call on all ranks).
+
+    Taught in: Chapter 4, "FSDP2".
+    """
+    return {name: full_tensor(p).detach().clone()
             for name, p in model.named_parameters()}
 
 

@@ -34,7 +34,7 @@ def plot_measured_vs_predicted(records: list[dict[str, Any]], ax: Any = None) ->
     """Bars of measured and predicted model-state KiB per rank, one pair per record.
 
     Args:
-        records: dicts with ``impl``, ``measured_state_bytes``,
+        records: dicts with ``variant``, ``measured_state_bytes``,
             ``predicted_state_bytes``.
     """
     import matplotlib.pyplot as plt
@@ -46,8 +46,9 @@ def plot_measured_vs_predicted(records: list[dict[str, Any]], ax: Any = None) ->
     ax.bar([x - w / 2 for x in xs], [r["measured_state_bytes"] / 1024 for r in records],
            w, label="measured")
     ax.bar([x + w / 2 for x in xs],
-           [r["predicted_state_bytes"] / 1024 for r in records], w, label="formula (fp32 Adam)")
-    ax.set_xticks(list(xs), [r["impl"] for r in records])
+           [r["predicted_state_bytes"] / 1024 for r in records], w,
+           label="formula (fp32 Adam)")
+    ax.set_xticks(list(xs), [r["variant"] for r in records])
     ax.set_ylabel("model states per rank (KiB)")
     ax.set_title("Measured per-rank model states equal the ZeRO formula")
     ax.legend()
@@ -60,7 +61,7 @@ def plot_comm_per_step(records: list[dict[str, Any]], ax: Any = None) -> Any:
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.6))
-    names = [r["impl"] for r in records]
+    names = [r["variant"] for r in records]
     ax.bar(names, [r["comm_elements_per_step"] / r["n_params"] for r in records],
            color="tab:gray")
     for level, label in ((2, "2 Psi: DDP, ZeRO-1/2"), (3, "3 Psi: ZeRO-3")):

@@ -1,29 +1,74 @@
-"""What chapter 4 runs: a toy mixture of experts under ZeRO (parameters some ranks skip).
+"""What chapter 4 runs: a toy mixture of experts under ZeRO (parameters some ranks
+skip).
 
 In a mixture-of-experts layer each sample goes to a few experts, so on a given step an
 expert may get tokens on one rank and none on another, or none anywhere. Its parameters
 then get a gradient on some ranks only (or on none). :func:`moe_rank` trains
-:class:`TinyMoE` with :class:`dtlib.zero.ZeRO` under such a routing and compares it with
-``torch.optim.AdamW`` on one process (:func:`moe_reference`).
+:class:`TinyMoE` with :func:`dtlib.zero.parallelism` under such a routing and compares
+it with a torch optimizer on one process (:func:`moe_reference`); both are
+:func:`dtlib.models.run.run_steps`.
+
+Also here: :data:`OPTIMIZERS`, the optimizers chapter 4's runs choose from, and
+:class:`StateAfterStep`, which measures a rank's model states after its last step.
 
 Taught in: Chapter 4, "Parameters some ranks do not use".
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.zero.optimizer import ZeRO, no_decay_groups
+from dtlib.models.run import Parallelism, run_steps
+from dtlib.runtime.dist import world
+from dtlib.zero import no_decay_groups, parallelism
 
-__all__ = ["TinyMoE", "ROUTINGS", "route", "moe_batch", "moe_reference", "moe_rank",
-           "moe_demo_rank"]
+__all__ = ["TinyMoE", "ROUTINGS", "OPTIMIZERS", "optimizer_of", "StateAfterStep",
+           "route", "moe_batch", "moe_reference", "moe_rank", "moe_demo_rank"]
 
 WIDTH, N_OUT, PER_RANK = 6, 3, 4
+
+#: The optimizers chapter 4's runs use (``lr`` apart): AdamW, whose two moments the
+#: memory formula counts, and SGD with momentum, whose step is smooth in the gradient
+#: (the trajectory proofs). Both decay weights, so a skipped parameter shows.
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
+}
+
+
+def optimizer_of(optimizer: str, lr: float) -> tuple[type, dict[str, Any]]:
+    """``(optimizer_class, kwargs)`` of :data:`OPTIMIZERS` ``[optimizer]`` at ``lr``."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} not allowed; allowed: "
+                         f"{sorted(OPTIMIZERS)}")
+    cls, kwargs = OPTIMIZERS[optimizer]
+    return cls, {"lr": lr, **kwargs}
+
+
+class StateAfterStep:
+    """A run's optimizer that measures the model states after its last step.
+
+    After the step and before ``zero_grad`` the gradients are still held: the
+    moment the ZeRO paper's formula describes (FSDP2 frees them at ``zero_grad``).
+    """
+
+    def __init__(self, optimizer: Any, measure: Callable[[], dict[str, int]],
+                 steps: int) -> None:
+        self.optimizer, self.measure, self.steps = optimizer, measure, steps
+        self.done, self.state = 0, {}
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.done += 1
+        if self.done == self.steps:
+            self.state = self.measure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
 class TinyMoE(nn.Module):
@@ -60,47 +105,58 @@ def route(rank: int, step: int, routing: str = "ranks") -> list[int]:
 
 
 def moe_batch(world_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch: ``PER_RANK`` samples per rank, inputs (N, WIDTH), labels (N,)."""
+    """The global batch: ``PER_RANK`` samples per rank, inputs (N, WIDTH), labels
+    (N,)."""
     g = torch.Generator().manual_seed(seed)
     n = PER_RANK * world_size
-    return torch.randn(n, WIDTH, generator=g), torch.randint(0, N_OUT, (n,), generator=g)
+    return (torch.randn(n, WIDTH, generator=g),
+            torch.randint(0, N_OUT, (n,), generator=g))
 
 
-def _prepare(net: TinyMoE, freeze: bool) -> None:
+def _prepare(freeze: bool) -> TinyMoE:
+    net = TinyMoE()
     if freeze:  # fine-tuning style: the input layer is frozen
         for p in net.inp.parameters():
             p.requires_grad_(False)
+    return net
+
+
+def _groups(model: nn.Module, no_decay: bool) -> list[dict[str, Any]]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return no_decay_groups(model, 0.1) if no_decay else [{"params": trainable}]
 
 
 def moe_reference(world_size: int, steps: int = 4, lr: float = 1e-2,
                   freeze: bool = False, no_decay: bool = False,
-                  clip: float = 0.5, routing: str = "ranks"
+                  clip: float = 0.5, routing: str = "ranks", optimizer: str = "adamw"
                   ) -> dict[str, torch.Tensor]:
-    """``torch.optim.AdamW`` on one process: the loss is the mean of the ranks' losses.
+    """One process, a torch optimizer: the loss is the mean of the ranks' losses.
 
     Returns:
         Every parameter after ``steps`` steps, by name.
+
+    Taught in: Chapter 4, "Parameters some ranks do not use".
     """
-    net = TinyMoE()
-    _prepare(net, freeze)
-    groups = (no_decay_groups(net, 0.1) if no_decay
-              else [p for p in net.parameters() if p.requires_grad])
-    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.1)
-    x, y = moe_batch(world_size)
-    for step in range(steps):
-        loss = sum(F.cross_entropy(net(xr, route(r, step, routing)), yr)
+    net = _prepare(freeze)
+    cls, kwargs = optimizer_of(optimizer, lr)
+
+    def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int
+                ) -> torch.Tensor:
+        return sum(F.cross_entropy(model(xr, route(r, step, routing)), yr)
                    for r, (xr, yr) in enumerate(zip(x.chunk(world_size),
-                                                    y.chunk(world_size))))
-        (loss / world_size).backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        opt.step()
-        opt.zero_grad()  # grads become None: a parameter nobody used is skipped
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
+                                                    y.chunk(world_size)))
+                   ) / world_size
+
+    x, y = moe_batch(world_size)
+    # zero_grad sets the gradients to None: a parameter nobody used is skipped
+    return run_steps(Parallelism(), net, lambda step: (x, y, step), steps,
+                     optimizer=cls(_groups(net, no_decay), **kwargs),
+                     loss_fn=loss_fn, max_grad_norm=clip, record_grads=False).params
 
 
 def moe_rank(stage: int, steps: int = 4, lr: float = 1e-2, freeze: bool = False,
-             no_decay: bool = False, clip: float = 0.5, routing: str = "ranks"
-             ) -> dict[str, Any]:
+             no_decay: bool = False, clip: float = 0.5, routing: str = "ranks",
+             optimizer: str = "adamw", compare: bool = True) -> dict[str, Any]:
     """On every rank: train :class:`TinyMoE` with ZeRO ``stage`` under :func:`route`.
 
     Args:
@@ -109,37 +165,51 @@ def moe_rank(stage: int, steps: int = 4, lr: float = 1e-2, freeze: bool = False,
         no_decay: parameter groups without weight decay on biases and norms.
         routing: ``"ranks"`` (expert 1 on rank 0 only) or ``"steps"`` (on every rank
             at even steps only).
+        optimizer: a key of :data:`OPTIMIZERS`.
+        compare: train :func:`moe_reference` here and compare.
 
     Returns:
-        ``max_abs_err`` against :func:`moe_reference`, ``moved`` (how far the
-        reference moved the parameters), and the unit orders of the first backward:
+        ``params`` (full, by name), ``init``, the unit orders of the first backward:
         ``hook_order`` (as gradients completed on this rank) and ``reduce_order``
-        (as reduce-scattered).
+        (as reduce-scattered), and with ``compare`` ``max_abs_err`` against
+        :func:`moe_reference`, ``moved`` (how far the reference moved the
+        parameters) and ``missing`` (names the run did not return).
+
+    Taught in: Chapter 4, "Parameters some ranks do not use".
     """
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    net = TinyMoE()
-    _prepare(net, freeze)
+    here = world()  # a lone process is a world of one
+    world_size, rank = here.world_size, here.rank
+    net = _prepare(freeze)
     init = {n: p.detach().clone() for n, p in net.named_parameters()}
-    kwargs: dict[str, Any] = {"lr": lr, "weight_decay": 0.1}
-    if no_decay:
-        kwargs["param_groups"] = no_decay_groups(net, 0.1)
-    z = ZeRO(net, stage, **kwargs)
-    x, y = moe_batch(world_size)
-    xr, yr = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    par = parallelism(stage)
+    wrapped = par.apply(net)
+    cls, kwargs = optimizer_of(optimizer, lr)
+    opt = par.make_optimizer(wrapped, cls, params=_groups(wrapped, no_decay), **kwargs)
     orders: dict[str, list[int]] = {}
-    for step in range(steps):
-        F.cross_entropy(z(xr, route(rank, step, routing)), yr).backward()
-        if step == 0:  # rank 0 used expert 1, the others did not
-            orders = {k: list(getattr(z, k, [])) for k in ("hook_order", "reduce_order")}
-        z.clip_grad_norm_(clip)
-        z.step()
-        z.zero_grad()
-    got = z.full_parameters()
-    ref = moe_reference(world_size, steps, lr, freeze, no_decay, clip, routing)
-    return {"max_abs_err": max(float((got[n] - r).abs().max()) for n, r in ref.items()),
-            "moved": max(float((r - init[n]).abs().max()) for n, r in ref.items()),
-            "missing": sorted(set(ref) - set(got)),
-            **orders}
+
+    def first_backward(done: int, loss: float, extra: dict) -> None:
+        if done == 1:  # rank 0 used expert 1, the others did not
+            units = (wrapped if stage == 3 else opt).units  # dtlib.zero.ShardedUnits
+            orders.update(hook_order=list(units.hook_order),
+                          reduce_order=list(units.reduce_order))
+
+    def loss_fn(model: nn.Module, xr: torch.Tensor, yr: torch.Tensor, step: int
+                ) -> torch.Tensor:
+        return F.cross_entropy(model(xr, route(rank, step, routing)), yr)
+
+    x, y = moe_batch(world_size)
+    got = run_steps(par, net, lambda step: (x, y, step), steps, wrapped=wrapped,
+                    optimizer=opt, loss_fn=loss_fn, max_grad_norm=clip,
+                    record_grads=False, on_step=first_backward).params
+    out: dict[str, Any] = {"params": got, "init": init, **orders}
+    if compare:
+        ref = moe_reference(world_size, steps, lr, freeze, no_decay, clip, routing,
+                            optimizer)
+        out.update(
+            max_abs_err=max(float((got[n] - r).abs().max()) for n, r in ref.items()),
+            moved=max(float((r - init[n]).abs().max()) for n, r in ref.items()),
+            missing=sorted(set(ref) - set(got)))
+    return out
 
 
 def moe_demo_rank() -> dict[str, Any]:
@@ -148,10 +218,12 @@ def moe_demo_rank() -> dict[str, Any]:
 
     Returns:
         ``{"stage1": moe_rank(1), "stage2": moe_rank(2), "stage3_error": message}``.
+
+    Taught in: Chapter 4, "Parameters some ranks do not use".
     """
     out: dict[str, Any] = {"stage1": moe_rank(1), "stage2": moe_rank(2)}
     try:
-        moe_rank(3, steps=1)
+        moe_rank(3, steps=1, compare=False)
         out["stage3_error"] = "no error"
     except RuntimeError as exc:
         out["stage3_error"] = str(exc)

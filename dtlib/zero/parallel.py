@@ -1,0 +1,208 @@
+"""ZeRO 1-3 and FSDP2 as the one loop's :class:`~dtlib.models.run.Parallelism`.
+
+``parallelism(stage)`` is what every chapter-4 run hands to
+:func:`dtlib.models.run.run_steps`: each rank takes its rows of the global batch;
+stages 1 and 2 keep the model whole and shard the optimizer
+(:class:`ShardedOptimizer`), stage 3 wraps the model (:class:`FullyShardedModule`, or
+torch's ``fully_shard`` with ``variant="fsdp2"``) and any torch optimizer steps its
+shards.
+
+Taught in: Chapter 4, "Does it train the same model?".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtlib.models.run import Batch, Parallelism, full_tensor, tensors_by_name
+from dtlib.zero.fsdp import MixedPrecisionPolicy, fsdp_state_bytes, shard_fsdp2
+from dtlib.zero.optimizer import ShardedOptimizer
+from dtlib.zero.stage3 import FullyShardedModule
+
+__all__ = ["parallelism", "ZeroParallelism", "FSDP2Parallelism", "VARIANTS",
+           "rows_of_rank"]
+
+VARIANTS = ("ours", "fsdp2")
+
+
+def rows_of_rank(batch: Batch, rank: int, world_size: int) -> tuple[Any, ...]:
+    """Rows ``rank * b`` to ``(rank + 1) * b - 1`` of every tensor in ``batch``
+    (``b = rows / world_size``); anything else (a step number) is passed as is."""
+    out = []
+    for t in batch:
+        if torch.is_tensor(t):
+            if t.shape[0] % world_size:
+                raise ValueError(f"batch has {t.shape[0]} rows, not divisible by "
+                                 f"world_size={world_size}")
+            b = t.shape[0] // world_size
+            t = t[rank * b:(rank + 1) * b]
+        out.append(t)
+    return tuple(out)
+
+
+class _DataParallelRows(Parallelism):
+    """Rows of the batch per rank, the logged loss averaged over the ranks."""
+
+    def __init__(self, group: Any) -> None:
+        on = dist.is_available() and dist.is_initialized()
+        self.dp_group = group
+        self.dp_size = dist.get_world_size(group) if on else 1
+        self.dp_rank = dist.get_rank(group) if on else 0
+
+    def local_batch(self, batch: Batch) -> Batch:
+        return rows_of_rank(batch, self.dp_rank, self.dp_size)
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.dp_size == 1:
+            return loss
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self.dp_group)  # equal rows: mean of the means
+        return total / self.dp_size
+
+
+class ZeroParallelism(_DataParallelRows):
+    """The book's ZeRO at ``stage`` 1, 2 (:class:`ShardedOptimizer`) or 3
+    (:class:`FullyShardedModule` and the caller's optimizer class).
+
+    Taught in: Chapter 4, "The three stages".
+    """
+
+    def __init__(self, stage: int, group: Any = None,
+                 unit_modules: list[nn.Module] | None = None) -> None:
+        super().__init__(group)
+        self.stage, self.group, self.unit_modules = stage, group, unit_modules
+        self.name = f"zero-{stage}"
+        self.optimizer: Any = None
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        if self.stage < 3:
+            return model  # the optimizer shards itself
+        return FullyShardedModule(model, self.group, self.unit_modules)
+
+    def make_optimizer(self, wrapped: nn.Module, optimizer_class: type,
+                       params: Any = None, **kwargs: Any) -> torch.optim.Optimizer:
+        """Stages 1-2: a :class:`ShardedOptimizer`; stage 3: ``optimizer_class`` on
+        the wrapper's shards. ``params``: parameter groups of ``wrapped`` (default:
+        all its parameters)."""
+        params = wrapped.parameters() if params is None else params
+        if self.stage < 3:
+            self.optimizer = ShardedOptimizer(
+                params, optimizer_class, stage=self.stage, group=self.group,
+                module=wrapped, unit_modules=self.unit_modules, **kwargs)
+        else:
+            self.optimizer = optimizer_class(params, **kwargs)
+        return self.optimizer
+
+    def full_state(self, wrapped: nn.Module, grads: bool = False
+                   ) -> dict[str, torch.Tensor]:
+        if self.stage == 3:
+            out = wrapped.full_gradients() if grads else wrapped.full_parameters()
+        elif grads:
+            out = self.optimizer.full_gradients()
+        else:
+            return tensors_by_name(wrapped)
+        return {n: t.cpu() for n, t in out.items()}
+
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
+        # Stages 2 and 3 reduce-scatter in every backward and add up the shards
+        # (accumulation is correct either way); stage 1 reduces at the step only.
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        clipper = wrapped if self.stage == 3 else self.optimizer
+        return clipper.clip_grad_norm_(max_norm)
+
+    def state_bytes(self, wrapped: nn.Module, optimizer: Any) -> dict[str, int]:
+        """Bytes of model states this rank holds (``{"params", "grads", ...}``)."""
+        if self.stage == 3:
+            return wrapped.state_bytes(optimizer)
+        return optimizer.state_bytes()
+
+
+class FSDP2Parallelism(_DataParallelRows):
+    """torch's FSDP2 (``fully_shard`` on each unit, then the root): stage 3.
+
+    Taught in: Chapter 4, "FSDP2".
+    """
+
+    def __init__(self, group: Any = None, mesh: Any = None,
+                 mp_policy: MixedPrecisionPolicy | None = None,
+                 unit_modules: list[nn.Module] | None = None,
+                 reshard_after_forward: bool = True) -> None:
+        if mesh is None and group is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            from dtlib.runtime.dist import world
+
+            mesh = DeviceMesh.from_group(group, world().device.type)
+        super().__init__(mesh.get_group() if mesh is not None else group)
+        self.mesh, self.mp_policy = mesh, mp_policy
+        self.unit_modules = unit_modules
+        self.reshard_after_forward = reshard_after_forward
+        self.name = "fsdp2"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return shard_fsdp2(model, self.unit_modules, self.mp_policy,
+                           self.reshard_after_forward, self.mesh)
+
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
+        @contextlib.contextmanager
+        def sync() -> Any:
+            wrapped.set_requires_gradient_sync(on)
+            try:
+                yield
+            finally:
+                wrapped.set_requires_gradient_sync(True)
+        return sync()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        # torch's clip works on DTensors; the norm it returns may be one
+        norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm)
+        return full_tensor(norm)
+
+    def state_bytes(self, wrapped: nn.Module, optimizer: Any) -> dict[str, int]:
+        """Bytes of model states this rank holds (``{"params", "grads", ...}``)."""
+        return fsdp_state_bytes(wrapped, optimizer)
+
+
+def parallelism(stage: int, *, variant: str = "ours", group: Any = None,
+                mesh: Any = None, mp_policy: MixedPrecisionPolicy | None = None,
+                unit_modules: list[nn.Module] | None = None,
+                reshard_after_forward: bool = True) -> Parallelism:
+    """ZeRO ``stage`` as a :class:`~dtlib.models.run.Parallelism` for ``run_steps``.
+
+    Args:
+        stage: 1, 2 or 3 (``variant="fsdp2"``: 3 only).
+        variant: ``"ours"`` (:class:`ShardedOptimizer`, :class:`FullyShardedModule`)
+            or ``"fsdp2"`` (torch's ``fully_shard``).
+        group: the data-parallel process group (default: the world).
+        mesh: FSDP2 only: the 1-D ``DeviceMesh`` to shard over (e.g. ``mesh["dp"]``).
+        mp_policy: FSDP2 only: e.g. :func:`dtlib.zero.fsdp.bf16_policy`.
+        unit_modules: the submodules sharded as separate units (default: each
+            block).
+        reshard_after_forward: FSDP2 only: False keeps the gathered parameters from
+            forward to backward.
+    Returns:
+        The Parallelism; its ``state_bytes(wrapped, optimizer)`` counts the model
+        states a rank holds.
+
+    Taught in: Chapter 4, "Does it train the same model?".
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} not allowed; allowed: {VARIANTS}")
+    allowed = (3,) if variant == "fsdp2" else (1, 2, 3)
+    if stage not in allowed:
+        raise ValueError(f"stage={stage!r} not allowed for variant={variant!r}; "
+                         f"allowed: {allowed}")
+    if variant == "fsdp2":
+        return FSDP2Parallelism(group, mesh, mp_policy, unit_modules,
+                                reshard_after_forward)
+    if mesh is not None or mp_policy is not None or not reshard_after_forward:
+        raise ValueError("mesh, mp_policy and reshard_after_forward=False need "
+                         "variant='fsdp2'")
+    return ZeroParallelism(stage, group, unit_modules)
