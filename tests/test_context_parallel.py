@@ -1,41 +1,61 @@
 """Chapter 12: context parallelism (load-balanced shards, ring attention) is exact.
 
 Reference: full attention on one process, ``scaled_dot_product_attention`` (and the
-explicit softmax formula, which SDPA is checked against first).
-Tolerance: rtol=1e-5, atol=1e-6 in float32. The ring sums the softmax over ``cp``
-blocks with the log-sum-exp rescaling where one process sums a row at once; float32
-addition is not associative, so results agree to rounding (~1e-7 relative). A wrong
-mask, a missing correction or a block sent to the wrong rank changes outputs and
-gradients by O(1e-1). Parameters after AdamW steps: rtol=1e-4, atol=1e-5, for the
-reason given in test_tensor_parallel.py (a key bias whose true gradient is exactly
-zero; Adam normalises its rounding noise into steps of ~1e-6).
+explicit softmax formula, which SDPA is checked against first). Every multi-rank
+result comes from one launch per world size (module-scoped fixtures).
+
+Tolerances, derived (``fp32_tolerance.py``), relative to each tensor's largest
+element:
+
+- attention: a row's scores are sums over ``D`` head dimensions, its softmax and
+  output sums over ``S`` keys (the ring folds them in ``cp`` blocks with a
+  log-sum-exp rescaling, a few roundings per block); forward and backward pass about
+  6 such sums, and dK/dV sum ``S`` queries of mixed sign:
+  ``ATTN_REL = reorder_rel(S + D, 6, S)`` (~3e-5). Measured: ~1e-6. A wrong mask, a
+  missing correction or a block sent to the wrong rank is off by O(1e-1).
+- the GPT: as Chapter 5's (``reorder_rel(4h, 8, b * s)``); parameters after SGD
+  with momentum, whose update is linear in the gradient: ``lr * momentum_gain``
+  times the gradient bound, doubled for feedback, plus a rounding per update. A
+  missing 1/cp in the gradient average doubles gradients (planted, must fail).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtlib.chapters.ch12_long_sequences.runs import (attention_inputs,
-                                                     attention_reference, ring_check,
-                                                     train_cp, ulysses_check)
-from dtlib.context_parallel import cp_shard, cp_volume, ring_attention
+from fp32_tolerance import (assert_all_scaled, assert_scaled, reorder_rel,
+                            sgd_param_scale)
+from dtlib.chapters.ch12_long_sequences.runs import (attention_checks,
+                                                     attention_inputs,
+                                                     attention_reference, train_cp)
+from dtlib.context_parallel import ContextParallel, cp_shard, cp_volume, ring_attention
 from dtlib.context_parallel.ring_attention import block_backward, block_forward, merge
 from dtlib.context_parallel.sharding import (causal_pairs_per_rank, positions,
                                              shard_for, unshard_from)
-from dtlib.models.reference import reference_gpt_run
+from dtlib.models.gpt import build_gpt
+from dtlib.models.reference import gpt_batches, reference_gpt_run
+from dtlib.models.run import RunResult, run_steps, unwrap
 from dtlib.models.sizes import size
+from dtlib.runtime import dist as ddist
 from dtlib.runtime import launch
 
-TOL = dict(rtol=1e-5, atol=1e-6)
-B, A, S, D = 2, 3, 16, 8  # batch, heads, full sequence, head dim
+B, A, S, D = 2, 4, 16, 8  # batch, heads, full sequence, head dim
+SHAPE = (B, A, S, D)
+ATTN_REL = reorder_rel(S + D, 6, S)
+CFG, BATCH, STEPS, LR, MOMENTUM = size("tiny"), 2, 3, 0.05, 0.9
+SGD = dict(optimizer_class=torch.optim.SGD, momentum=MOMENTUM)
+GPT_REL = reorder_rel(4 * CFG.hidden, 8, BATCH * CFG.seq_len)
 
 
 def _qkv_dout() -> list[torch.Tensor]:
-    return attention_inputs((B, A, S, D))
+    return attention_inputs(SHAPE)
 
 
 def _explicit(q, k, v, causal: bool) -> torch.Tensor:
@@ -48,7 +68,7 @@ def _explicit(q, k, v, causal: bool) -> torch.Tensor:
 
 
 def _reference(causal: bool) -> dict[str, torch.Tensor]:
-    return attention_reference(causal, (B, A, S, D))
+    return attention_reference(causal, SHAPE)
 
 
 # ---- single process: the layout and the block math --------------------------------
@@ -86,8 +106,8 @@ def test_load_balance_evens_the_causal_work() -> None:
 def test_sdpa_equals_the_explicit_formula() -> None:
     q, k, v, _ = _qkv_dout()
     for causal in (True, False):
-        torch.testing.assert_close(F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal), _explicit(q, k, v, causal), **TOL)
+        assert_scaled(F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                      _explicit(q, k, v, causal), ATTN_REL, f"causal={causal}")
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -123,7 +143,7 @@ def test_block_math_simulated_ring(cp: int, causal: bool) -> None:
         grads["dq"].append(dq)
     got = {"out": outs, "dq": grads["dq"], "dk": dk, "dv": dv}
     for name, shards in got.items():
-        torch.testing.assert_close(unshard_from(shards, 2), ref[name], **TOL)
+        assert_scaled(unshard_from(shards, 2), ref[name], ATTN_REL, name)
 
 
 def test_single_process_ring_attention_is_plain_attention() -> None:
@@ -131,39 +151,69 @@ def test_single_process_ring_attention_is_plain_attention() -> None:
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ring_attention(q, k, v).backward(dout)
     ref = _reference(True)
-    torch.testing.assert_close(q.grad, ref["dq"], **TOL)
-    torch.testing.assert_close(v.grad, ref["dv"], **TOL)
+    assert_scaled(q.grad, ref["dq"], ATTN_REL, "dq")
+    assert_scaled(v.grad, ref["dv"], ATTN_REL, "dv")
 
 
-# ---- several ranks -----------------------------------------------------------------
+# ---- several ranks: one launch per world size ------------------------------------
 
-@pytest.mark.parametrize("world_size", [2, 4])
+class SumNotMean(ContextParallel):
+    """A planted defect: gradients all-reduced but not divided by cp (no 1/N)."""
+
+    @contextlib.contextmanager
+    def grad_sync(self, wrapped: torch.nn.Module, on: bool) -> Iterator[None]:
+        yield
+        if on:
+            for p in unwrap(wrapped).parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+
+
+def _suite() -> dict:
+    device = ddist.world().device
+    no_mean = run_steps(SumNotMean(), build_gpt(CFG, 0).to(device),
+                        gpt_batches(CFG, BATCH, device), 1, record_params=False)
+    return {"attention": {c: attention_checks(c, SHAPE) for c in (True, False)},
+            "gpt": train_cp(CFG, BATCH, STEPS, lr=LR, **SGD), "no_mean": no_mean}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request: pytest.FixtureRequest) -> list[dict]:
+    return launch.spawn(_suite, request.param, stream=False, timeout=300)
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_equals_full_attention(world_size: int, causal: bool) -> None:
-    res = launch.spawn(ring_check, world_size, causal, stream=False, timeout=120)
+def test_ring_attention_equals_full_attention(ranks: list[dict], causal: bool) -> None:
+    world_size = len(ranks)
     ref = _reference(causal)
     vol = cp_volume(B, S, A * D, world_size, n_heads=A)
-    for rank, r in enumerate(res):
+    for rank, res in enumerate(ranks):
+        r = res["attention"][causal]["ring"]
         for name in ("out", "dq", "dk", "dv"):
-            torch.testing.assert_close(r[name], ref[name], **TOL, msg=f"{name} r{rank}")
+            assert_scaled(r[name], ref[name], ATTN_REL, f"{name} r{rank}")
         # every byte the ring sends is in the formula, and nothing else is sent
         assert r["fwd_bytes"] == r["fwd_recv"] == vol.ring_forward
         assert r["bwd_bytes"] == vol.ring_backward
         assert r["bad"] is not None and "x has" in r["bad"]
 
 
-@pytest.mark.parametrize("world_size,causal", [(2, True), (4, True), (4, False)])
-def test_ulysses_equals_full_attention_and_its_volume(world_size: int,
+def test_a_wrong_mask_fails_the_attention_proof(ranks: list[dict]) -> None:
+    """Causal ring output against non-causal truth: the tolerance must not hide it."""
+    r = ranks[0]["attention"][True]["ring"]
+    with pytest.raises(AssertionError, match="out"):
+        assert_scaled(r["out"], _reference(False)["out"], ATTN_REL, "out")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ulysses_equals_full_attention_and_its_volume(ranks: list[dict],
                                                        causal: bool) -> None:
-    shape = (2, 4, 16, 8)  # 4 heads: divisible by cp = 2 and 4
-    res = launch.spawn(ulysses_check, world_size, causal, shape, stream=False,
-                       timeout=120)
-    ref = attention_reference(causal, shape)
-    vol = cp_volume(shape[0], shape[2], shape[1] * shape[3], world_size,
-                    n_heads=shape[1])
-    for r in res:
+    world_size = len(ranks)
+    ref = attention_reference(causal, SHAPE)
+    vol = cp_volume(B, S, A * D, world_size, n_heads=A)
+    for res in ranks:
+        r = res["attention"][causal]["ulysses"]
         for name in ("out", "dq", "dk", "dv"):
-            torch.testing.assert_close(r[name], ref[name], **TOL, msg=name)
+            assert_scaled(r[name], ref[name], ATTN_REL, name)
         # torch counts each all-to-all's whole input; (cp-1)/cp of it leaves the rank
         assert r["fwd_bytes"] * (world_size - 1) // world_size == vol.ulysses_forward
         assert r["bwd_bytes"] * (world_size - 1) // world_size == vol.ulysses_backward
@@ -180,28 +230,37 @@ def test_volume_formula_ring_grows_ulysses_is_bounded() -> None:
 
 # ---- the whole GPT -----------------------------------------------------------------
 
-PARAM_TOL = dict(rtol=1e-4, atol=1e-5)  # as Chapter 5: Adam amplifies rounding noise
+@pytest.fixture(scope="module")
+def reference() -> RunResult:
+    return reference_gpt_run(CFG, BATCH, STEPS, lr=LR, **SGD)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_gpt_trained_with_context_parallelism_equals_one_process(world_size: int
-                                                                 ) -> None:
-    cfg, batch, steps = size("tiny"), 2, 3
-    ref = reference_gpt_run(cfg, batch, steps)
-    res = launch.spawn(train_cp, world_size, cfg, batch, steps, stream=False,
-                       timeout=120)
-    for r in res:
-        torch.testing.assert_close(torch.tensor(r["losses"]),
-                                   torch.tensor(ref["losses"]), **TOL)
-        for name, g in ref["grads"].items():
-            torch.testing.assert_close(r["grads"][name], g, **TOL, msg=name)
-        for name, p in ref["params"].items():
-            torch.testing.assert_close(r["params"][name], p, **PARAM_TOL, msg=name)
+def test_gpt_trained_with_context_parallelism_equals_one_process(
+        ranks: list[dict], reference: RunResult) -> None:
+    scale = sgd_param_scale(GPT_REL, reference.grads, reference.params, LR, STEPS,
+                            MOMENTUM)
+    for rank, res in enumerate(ranks):
+        r = res["gpt"]
+        assert_scaled(torch.tensor(r.losses), torch.tensor(reference.losses), GPT_REL,
+                      f"losses r{rank}")
+        assert_all_scaled(r.grads, reference.grads, GPT_REL, f"grad r{rank}")
+        assert set(r.params) == set(reference.params)
+        for name, p in reference.params.items():
+            assert_scaled(r.params[name], p, 1.0, f"param {name}", scale=scale)
+    start = build_gpt(CFG, 0).state_dict()  # not vacuous: training moved them
+    assert max((reference.params[n] - start[n]).abs().max().item()
+               for n in reference.params) > 100 * scale
+
+
+def test_a_missing_one_over_cp_fails_the_gpt_proof(ranks: list[dict],
+                                                   reference: RunResult) -> None:
+    for res in ranks:
+        with pytest.raises(AssertionError, match="no 1/cp grad"):
+            assert_all_scaled(res["no_mean"].grads, reference.grads, GPT_REL,
+                              "no 1/cp grad")
 
 
 def test_gpt_rejects_a_position_per_token_mismatch() -> None:
-    from dtlib.models.gpt import build_gpt
-
     cfg = size("tiny")
     idx = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="pos has shape"):

@@ -13,6 +13,11 @@ mean of the ranks' means is the mean over all tokens, since every rank has the s
 number of tokens). The ring's backward has already brought every rank the dK/dV that
 other ranks' queries contributed, so the averaged gradient is the full one.
 
+In the one loop (:func:`~dtlib.models.run.run_steps`) this is
+:func:`dtlib.context_parallel.parallelism`: :class:`ContextParallelGPT` feeds the
+global positions, ``local_batch`` keeps this rank's tokens, and ``grad_sync``
+averages the gradients.
+
 Taught in: Chapter 12, "A GPT trained with context parallelism".
 """
 
@@ -50,6 +55,27 @@ def context_parallelize(model: nn.Module, group: Any = None) -> nn.Module:
     for block in model.blocks:
         block.attn.core_fn = functools.partial(ring_attention, causal=True, group=group)
     return model
+
+
+class ContextParallelGPT(nn.Module):
+    """A GPT after :func:`context_parallelize` fed with this rank's tokens only.
+
+    ``forward(idx, targets)`` takes this rank's load-balanced share of the tokens
+    (:func:`cp_shard` along dim 1) and looks the position embedding up at their
+    global positions. The GPT is ``.module`` (parameter names unchanged underneath).
+
+    Taught in: Chapter 12, "A GPT trained with context parallelism".
+    """
+
+    def __init__(self, module: nn.Module, group: Any = None) -> None:
+        super().__init__()
+        self.module, self.group = module, group
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> Any:
+        rank, cp = cp_world(self.group)
+        pos = positions(idx.size(1), rank, cp, idx.device)  # global positions
+        return self.module(idx, targets, pos=pos)
 
 
 def cp_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,

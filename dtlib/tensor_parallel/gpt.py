@@ -33,13 +33,14 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.runtime import dist as ddist
 from dtlib.models.gpt import GPT, CausalSelfAttention
-from dtlib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, tp_size
+from dtlib.models.run import full_tensor, local_tensor
+from dtlib.runtime import dist as ddist
+from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                          gather_shards, tp_size)
 
 __all__ = ["ParallelSelfAttention", "interleave_qkv", "deinterleave_qkv",
            "tensor_parallelize", "dtensor_parallelize", "full_tensors",
@@ -80,13 +81,16 @@ class ParallelSelfAttention(nn.Module):
     ``qkv`` outputs ``(b, s, 3 * heads_here * head_dim)`` laid out ``[q | k | v]`` for
     this rank's heads; ``proj`` takes ``(b, s, heads_here * head_dim)``. With plain
     ``nn.Linear`` layers it is the full attention of :class:`dtlib.models.GPT`.
+    ``tp`` is the number of head groups the full ``qkv`` rows are interleaved in
+    (:func:`interleave_qkv`), which :func:`full_tensors` undoes.
     """
 
     def __init__(self, qkv: nn.Module, proj: nn.Module, head_dim: int, n_heads: int,
-                 mask: torch.Tensor) -> None:
+                 mask: torch.Tensor, tp: int = 1) -> None:
         super().__init__()
         self.qkv, self.proj, self.head_dim = qkv, proj, head_dim
         self.n_heads = n_heads  # heads on this rank (informative; forward infers it)
+        self.tp = tp
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +155,7 @@ def tensor_parallelize(model: GPT, group: Any = None) -> GPT:
                                                group)
         proj = RowParallelLinear.from_linear(attn.proj, group)
         blk.attn = ParallelSelfAttention(qkv, proj, cfg.hidden // cfg.n_heads,
-                                         cfg.n_heads // tp, attn.mask)
+                                         cfg.n_heads // tp, attn.mask, tp)
         blk.fc = ColumnParallelLinear.from_linear(blk.fc, group)
         blk.fc_proj = RowParallelLinear.from_linear(blk.fc_proj, group)
     return model
@@ -192,7 +196,7 @@ def dtensor_parallelize(model: GPT, mesh: Any = None) -> GPT:
         attn = blk.attn
         blk.attn = ParallelSelfAttention(_interleaved_qkv_linear(attn.qkv, tp),
                                          attn.proj, cfg.hidden // cfg.n_heads,
-                                         cfg.n_heads // tp, attn.mask)
+                                         cfg.n_heads // tp, attn.mask, tp)
         parallelize_module(blk, mesh, plan)
     return model
 
@@ -201,22 +205,19 @@ def _owner(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name.rpartition(".")[0])
 
 
-def _gather(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(tp_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def full_tensors(model: GPT, group: Any = None, grads: bool = False
+def full_tensors(model: nn.Module, group: Any = None, grads: bool = False
                  ) -> dict[str, torch.Tensor]:
-    """Every parameter (or gradient) of a tensor-parallel GPT as the full tensor.
+    """Every parameter (or gradient) of a tensor-parallel model as the full tensor.
 
-    Works for ours (all-gathers the slices) and DTensor's (``full_tensor()``) and for a
-    plain GPT; qkv rows are put back in ``[q | k | v]`` order, so the result compares
-    name by name with the single-process model. Collective: call on every rank.
+    Works for ours (all-gathers the slices of every column and row layer) and
+    DTensor's (``full_tensor()``), for the GPT, the Hugging Face Llama and a plain
+    model; qkv rows of a :class:`ParallelSelfAttention` are put back in
+    ``[q | k | v]`` order, so the result compares name by name with the
+    single-process model. Collective: call on every rank.
 
     Args:
-        model: the GPT after :func:`tensor_parallelize` / :func:`dtensor_parallelize`.
+        model: the model after :func:`tensor_parallelize` / :func:`dtensor_parallelize`
+            (or ``tensor_parallel.hf_llama``'s functions).
         group: the tensor-parallel group (ours).
         grads: gradients instead of parameters (a missing gradient is skipped).
     Returns:
@@ -225,22 +226,18 @@ def full_tensors(model: GPT, group: Any = None, grads: bool = False
     Taught in: Chapter 5, "Equal to one process".
     """
     out: dict[str, torch.Tensor] = {}
-    parallel = not all(isinstance(b.attn, CausalSelfAttention) for b in model.blocks)
     for name, p in model.named_parameters():
         t = p.grad if grads else p
         if t is None:
             continue
-        t = t.detach()
-        owner = _owner(model, name)
-        if hasattr(t, "full_tensor"):  # a DTensor
-            t = t.full_tensor()
-        elif isinstance(owner, ColumnParallelLinear):
-            t = _gather(t, 0, group)
+        t, owner = full_tensor(t.detach()), _owner(model, name)
+        if isinstance(owner, ColumnParallelLinear):
+            t = gather_shards(t, 0, group)  # (out/tp, in) slices -> (out, in)
         elif isinstance(owner, RowParallelLinear) and name.endswith("weight"):
-            t = _gather(t, 1, group)
-        if parallel and ".attn.qkv." in name:
-            attn = model.get_submodule(name.rpartition(".qkv")[0])
-            t = deinterleave_qkv(t, model.cfg.n_heads // attn.n_heads)
+            t = gather_shards(t, 1, group)  # (out, in/tp) slices -> (out, in)
+        attn = _owner(model, name.rpartition(".")[0])
+        if isinstance(attn, ParallelSelfAttention) and owner is attn.qkv:
+            t = deinterleave_qkv(t, attn.tp)
         out[name] = t.cpu().clone()
     return out
 
@@ -256,7 +253,7 @@ def parallel_param_count(model: GPT) -> dict[str, int]:
     """
     counts = {"parallel": 0, "replicated": 0}
     for name, p in model.named_parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_tensor(p)
         key = "parallel" if any(f".{s}." in name for s in _SPLIT) else "replicated"
         counts[key] += local.numel()
     return counts

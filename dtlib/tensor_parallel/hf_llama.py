@@ -25,15 +25,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib.tensor_parallel.gpt import _gather
+from dtlib.runtime import dist as ddist
+from dtlib.tensor_parallel.gpt import full_tensors
 from dtlib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dtlib.tensor_parallel.mappings import tp_size
 
-__all__ = ["LLAMA_PLAN", "check_llama_tp", "tensor_parallelize_llama", "dtensor_parallelize_llama",
-           "full_parameters_tp", "plan_table"]
+__all__ = ["LLAMA_PLAN", "check_llama_tp", "tensor_parallelize_llama",
+           "dtensor_parallelize_llama", "full_parameters_tp", "plan_table"]
 
 #: Module (inside each decoder layer) -> "colwise" or "rowwise": our plan.
 LLAMA_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
@@ -99,8 +99,8 @@ def dtensor_parallelize_llama(model: nn.Module, mesh: Any = None) -> nn.Module:
                                                    parallelize_module)
 
     if mesh is None:
-        device = next(model.parameters()).device.type
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        world = ddist.world()
+        mesh = init_device_mesh(world.device.type, (world.world_size,))
     check_llama_tp(model, mesh.size())
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {name: styles[style]() for name, style in LLAMA_PLAN.items()}
@@ -109,26 +109,26 @@ def dtensor_parallelize_llama(model: nn.Module, mesh: Any = None) -> nn.Module:
     return model
 
 
-def full_parameters_tp(model: nn.Module, group: Any = None) -> dict[str, torch.Tensor]:
-    """Every parameter as the full tensor, by name (a collective: call on all ranks).
+def full_parameters_tp(model: nn.Module, group: Any = None, grads: bool = False
+                       ) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient) as the full tensor, by name (a collective).
 
     Works for ours (all-gathers the slices), DTensor's (``full_tensor()``) and a
-    plain model; names match the single-process model's.
+    plain model; names match the single-process model's. The same as
+    :func:`dtlib.tensor_parallel.gpt.full_tensors`, which knows every model whose
+    split layers are ours or DTensors.
+
+    Args:
+        model: the Llama after :func:`tensor_parallelize_llama` or
+            :func:`dtensor_parallelize_llama`.
+        group: the tensor-parallel group (ours).
+        grads: gradients instead of parameters.
+    Returns:
+        ``{name: CPU tensor}``.
 
     Taught in: Chapter 5, "A Hugging Face Llama".
     """
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        owner = model.get_submodule(name.rpartition(".")[0])
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        elif isinstance(owner, ColumnParallelLinear):
-            t = _gather(t, 0, group)  # (out/tp, in) slices -> (out, in)
-        elif isinstance(owner, RowParallelLinear) and name.endswith("weight"):
-            t = _gather(t, 1, group)  # (out, in/tp) slices -> (out, in)
-        out[name] = t.cpu().clone()
-    return out
+    return full_tensors(model, group, grads)
 
 
 def plan_table(config: Any, model_cls: Any = None) -> list[dict[str, str]]:

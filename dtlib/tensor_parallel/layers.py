@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -33,7 +34,7 @@ from dtlib.tensor_parallel.mappings import (copy_to_tp, gather_from_tp,
                                             reduce_from_tp, scatter_to_tp, tp_rank,
                                             tp_size)
 
-__all__ = ["full_linear", "ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["full_linear", "gather_shards", "ColumnParallelLinear", "RowParallelLinear"]
 
 
 def full_linear(in_features: int, out_features: int, bias: bool = True,
@@ -65,6 +66,29 @@ def _check_divisible(name: str, value: int, tp: int) -> None:
     if value % tp:
         raise ValueError(f"{name}={value} must be divisible by the tensor-parallel "
                          f"size tp={tp} (each rank holds {name}/tp of them)")
+
+
+def gather_shards(t: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
+    """The full tensor from every rank's equal slice of it along ``dim``.
+
+    A plain all-gather (no autograd): what a comparison with one process needs to see
+    a split weight or gradient whole. Collective: call on every rank of ``group``.
+
+    Args:
+        t: this rank's slice (a column layer's rows: ``dim=0``; a row layer's
+            columns: ``dim=1``).
+        dim: the dimension the slices were cut along.
+        group: the tensor-parallel process group (None: the default group).
+    Returns:
+        The slices of ranks 0, 1, ... concatenated along ``dim``.
+
+    Taught in: Chapter 5, "Equal to one process".
+    """
+    if tp_size(group) == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 class ColumnParallelLinear(nn.Module):

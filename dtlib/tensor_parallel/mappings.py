@@ -1,8 +1,9 @@
 """The communication operators of tensor parallelism (Megatron-LM's f and g).
 
-Each is an ``autograd.Function`` that takes the process group explicitly and does nothing
-when the group has one rank, as in Megatron-LM ``core/tensor_parallel/mappings.py`` and
-picotron ``tp_communications.py`` (Shoeybi et al. 2019, §3):
+Each is an ``autograd.Function`` that takes the process group explicitly and does
+nothing when the group has one rank, as in Megatron-LM
+``core/tensor_parallel/mappings.py`` and picotron ``tp_communications.py`` (Shoeybi
+et al. 2019, §3):
 
 - **f** (:class:`CopyToParallelRegion`): forward identity, backward all-reduce. It sits
   before a column-parallel layer, whose input gradient is only this rank's share.

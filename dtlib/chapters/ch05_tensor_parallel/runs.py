@@ -13,26 +13,31 @@ Taught in: Chapter 5, "Equal to one process" and "The seed's mistakes".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.runtime import dist as ddist
 from dtlib.collectives.accounting import count_comms
-from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.reference import gpt_batches
 from dtlib.models.reference import reference_gpt_run as reference_training
-from dtlib.models.reference import train_reference
-from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, full_linear,
-                                   tp_rank, tp_size)
-from dtlib.tensor_parallel.gpt import (dtensor_parallelize, full_tensors, parallel_param_count,
-                          tensor_parallelize)
-
-IMPLS = ("ours", "dtensor")
-#: Small enough that 4 ranks train it for 5 steps in well under a second.
+from dtlib.models.run import (Parallelism, RunResult, default_step, local_tensor,
+                              run_steps)
 from dtlib.models.sizes import size
+from dtlib.runtime import dist as ddist
+from dtlib.tensor_parallel import parallelism
+from dtlib.tensor_parallel.gpt import parallel_param_count
+from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                          full_linear, tp_rank, tp_size)
 
+__all__ = ["TINY", "VARIANTS", "reference_training", "drop_f", "train_tp",
+           "count_first_step", "mlp_pair_comms", "init_scale",
+           "reference_linear_pair", "ColumnParallelLinearWithoutF"]
+
+VARIANTS = ("ours", "dtensor")
+# Small enough that 4 ranks train it for 5 steps in well under a second.
 TINY = size("tiny")
 
 
@@ -48,16 +53,59 @@ class ColumnParallelLinearWithoutF(ColumnParallelLinear):
 
 
 def drop_f(model: nn.Module) -> nn.Module:
-    """Turn every :class:`ColumnParallelLinear` of ``model`` into the seed's (no f)."""
+    """Turn every :class:`ColumnParallelLinear` of ``model`` into the seed's (no f).
+
+    Taught in: Chapter 5, "Leaving out f (ERRATA 17)".
+    """
     for m in model.modules():
         if type(m) is ColumnParallelLinear:
             m.__class__ = ColumnParallelLinearWithoutF
     return model
 
 
+def count_first_step(into: dict[str, Any], functional: bool = False
+                     ) -> Callable[..., torch.Tensor]:
+    """A ``step_fn`` for ``run_steps`` that counts the first step's collectives.
 
-def train_tp(cfg: GPTConfig, impl: str, batch: int, steps: int, lr: float = 1e-3,
-             seed: int = 0, with_f: bool = True, count: bool = True) -> dict[str, Any]:
+    Args:
+        into: receives ``{"forward": summary, "backward": summary}`` of the first
+            call (:func:`~dtlib.collectives.accounting.count_comms`); later calls
+            are the default step.
+        functional: count functional collectives too (DTensor's; only the dispatch
+            mode sees them).
+    Returns:
+        ``step_fn(par, wrapped, batch, loss_fn, scaler=None) -> detached loss``.
+
+    Taught in: Chapter 5, "Counting the messages".
+    """
+    def step_fn(par: Parallelism, wrapped: nn.Module, batch: Any,
+                loss_fn: Callable[..., torch.Tensor], scaler: Any = None
+                ) -> torch.Tensor:
+        if into:
+            return default_step(par, wrapped, batch, loss_fn, scaler=scaler)
+        with par.grad_sync(wrapped, True):
+            with count_comms(functional=functional) as fwd:
+                loss = loss_fn(wrapped, *batch)
+            with count_comms(functional=functional) as bwd:
+                loss.backward()
+        into.update(forward=fwd.summary(), backward=bwd.summary())
+        return loss.detach()
+
+    return step_fn
+
+
+def _replicated(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's own copy of every parameter that no layer splits."""
+    split = (ColumnParallelLinear, RowParallelLinear)
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+            if local_tensor(p) is p
+            and not isinstance(model.get_submodule(n.rpartition(".")[0]), split)}
+
+
+def train_tp(cfg: GPTConfig, variant: str, batch: int, steps: int, lr: float = 1e-3,
+             seed: int = 0, with_f: bool = True, count: bool = True,
+             optimizer_class: type = torch.optim.AdamW,
+             **optimizer_kwargs: Any) -> RunResult:
     """One rank of tensor-parallel training of :func:`reference_training`'s GPT.
 
     Every rank sees the whole batch (tensor parallelism splits the model, not the
@@ -65,53 +113,38 @@ def train_tp(cfg: GPTConfig, impl: str, batch: int, steps: int, lr: float = 1e-3
 
     Args:
         cfg: the GPT; ``n_heads`` and ``4 * hidden`` divisible by the world size.
-        impl: ``"ours"`` (:func:`tensor_parallelize`) or ``"dtensor"``.
-        batch, steps, lr, seed: as :func:`reference_training`.
+        variant: ``"ours"`` (:func:`tensor_parallelize`) or ``"dtensor"``.
+        batch, steps, lr, seed, optimizer_class, optimizer_kwargs: as
+            :func:`reference_training`.
         with_f: False reproduces ERRATA 17 (ours only).
         count: record the first step's communication.
     Returns:
-        ``losses``, ``grads`` (full, first step), ``params`` (full, after the last
-        step), ``local`` (this rank's replicated parameters after training, to compare
+        The :class:`~dtlib.models.run.RunResult` of ``run_steps``: ``losses``,
+        ``grads`` (full, first step), ``params`` (full, after the last step); and
+        ``local`` (this rank's replicated parameters after training, to compare
         across ranks), ``counts`` (this rank's parameters, see
         :func:`parallel_param_count`), ``comms`` (``{"forward": summary,
-        "backward": summary}``).
+        "backward": summary}`` of the first step).
+
+    Taught in: Chapter 5, "Equal to one process".
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not allowed; allowed: {IMPLS}")
-    world = ddist.world()
-    model = build_gpt(cfg, seed).to(world.device)
-    if impl == "ours":
-        tensor_parallelize(model)
-        if not with_f:
-            drop_f(model)
-    else:
-        dtensor_parallelize(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"losses": [], "counts": parallel_param_count(model),
-                           "comms": {}}
-    for step in range(steps):
-        idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
-        if step == 0 and count:
-            # DTensor's collectives are functional: only the dispatch mode sees them
-            with count_comms(functional=impl == "dtensor") as fwd:
-                loss = model(idx, targets)[1]
-            with count_comms(functional=impl == "dtensor") as bwd:
-                loss.backward()
-            out["comms"] = {"forward": fwd.summary(), "backward": bwd.summary()}
-        else:
-            loss = model(idx, targets)[1]
-            loss.backward()
-        if step == 0:
-            out["grads"] = full_tensors(model, grads=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-    out["params"] = full_tensors(model)
-    out["local"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                    if not hasattr(p, "to_local") and not isinstance(
-                        model.get_submodule(n.rpartition(".")[0]),
-                        (ColumnParallelLinear, RowParallelLinear))}
-    return out
+    if not with_f and variant != "ours":
+        raise ValueError(f"with_f=False is the seed's mistake in our layers; "
+                         f"variant={variant!r} is not allowed with it; allowed: 'ours'")
+    par = parallelism(variant)
+    device = ddist.world().device
+    model = par.apply(build_gpt(cfg, seed).to(device))
+    if not with_f:
+        drop_f(model)
+    comms: dict[str, Any] = {}
+    result = run_steps(par, model, gpt_batches(cfg, batch, device), steps,
+                       wrapped=model, optimizer_class=optimizer_class,
+                       optimizer_kwargs={"lr": lr, **optimizer_kwargs},
+                       step_fn=count_first_step(comms, variant == "dtensor")
+                       if count else None)
+    result.extra.update(counts=parallel_param_count(model), comms=comms,
+                        local=_replicated(model))
+    return result
 
 
 def mlp_pair_comms(hidden: int, batch: int, gather_between: bool) -> dict[str, Any]:

@@ -7,7 +7,7 @@
 - :func:`sp_block_run` / :func:`block_reference`: one transformer block, tensor
   parallel (Chapter 5) or sequence parallel, vs one process; communication and
   activation bytes per rank;
-- :func:`train_cp`: the whole GPT trained with context parallelism (AdamW).
+- :func:`train_cp`: the whole GPT trained with context parallelism (the one loop).
 
 Taught in: Chapter 12, long sequences.
 """
@@ -21,11 +21,12 @@ import torch.nn.functional as F
 
 from dtlib.collectives.accounting import count_comms
 from dtlib.context_parallel import cp_shard, cp_unshard, ring_attention
-from dtlib.context_parallel.gpt import average_cp_grads, context_parallelize, cp_loss
+from dtlib.context_parallel import parallelism as cp_parallelism
 from dtlib.context_parallel.ulysses import ulysses_attention
 from dtlib.memory.measure import measure_activations
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-from dtlib.models.reference import grads_of, params_of
+from dtlib.models.reference import gpt_batches, grads_of
+from dtlib.models.run import RunResult, run_steps
 from dtlib.runtime import dist as ddist
 from dtlib.tensor_parallel.gpt import full_tensors, tensor_parallelize
 from dtlib.tensor_parallel.mappings import tp_rank, tp_size
@@ -163,12 +164,13 @@ def block_reference(cfg: GPTConfig, batch: int, seed: int = 0) -> dict[str, Any]
 
 
 def sp_block_run(cfg: GPTConfig, batch: int, sequence_parallel: bool,
-                 seed: int = 0) -> dict[str, Any]:
+                 seed: int = 0, allreduce_grads: bool = True) -> dict[str, Any]:
     """One rank: block 0 tensor parallel (Chapter 5) or sequence parallel on top.
 
     With sequence parallelism the block takes and returns this rank's ``s / t``
     tokens; outputs and input gradients are all-gathered for the comparison, and the
-    partial gradients of the LayerNorms and row biases all-reduced.
+    partial gradients of the LayerNorms and row biases all-reduced
+    (``allreduce_grads=False`` leaves them partial: the mistake the tests plant).
 
     Returns:
         ``{"out", "dx", "grads" (full, by name), "act_bytes" (saved for backward on
@@ -190,7 +192,8 @@ def sp_block_run(cfg: GPTConfig, batch: int, sequence_parallel: bool,
     with count_comms(functional=False) as bwd:
         y.backward(dout)
     if sequence_parallel:
-        allreduce_sequence_parallel_grads(block)
+        if allreduce_grads:
+            allreduce_sequence_parallel_grads(block)
         with torch.no_grad():
             y, dx = gather_from_sp(y.detach()), gather_from_sp(x.grad)
     else:
@@ -203,35 +206,29 @@ def sp_block_run(cfg: GPTConfig, batch: int, sequence_parallel: bool,
 
 
 def train_cp(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, optimizer_class: type = torch.optim.AdamW,
+             **optimizer_kwargs: Any) -> RunResult:
     """One rank of context-parallel training of the GPT of ``reference_gpt_run``.
 
     Every rank builds the same model and sees the same batch; it keeps its
-    load-balanced share of the tokens (:func:`cp_loss`), attends through the ring,
-    and averages gradients over the ranks before each AdamW step.
+    load-balanced share of the tokens, attends through the ring, and averages
+    gradients over the ranks before each optimizer step: the one loop with
+    :func:`dtlib.context_parallel.parallelism`.
 
+    Args:
+        cfg, batch, steps, lr, seed, optimizer_class, optimizer_kwargs: as
+            ``reference_gpt_run``.
     Returns:
-        ``{"losses": global loss per step, "grads": first step's, "params": after the
-        last step}`` (CPU, by name), as ``reference_gpt_run``.
+        The :class:`~dtlib.models.run.RunResult`: ``losses`` (global loss per step),
+        ``grads`` (first step's), ``params`` (after the last step), CPU, by name.
+
+    Taught in: Chapter 12, "A GPT trained with context parallelism".
     """
-    world = ddist.world()
-    model = context_parallelize(build_gpt(cfg, seed).to(world.device))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"losses": []}
-    for step in range(steps):
-        idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
-        loss = cp_loss(model, idx, targets)
-        loss.backward()
-        average_cp_grads(model)
-        if step == 0:
-            out["grads"] = grads_of(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        out["losses"].append(total.item() / world.world_size)
-    out["params"] = params_of(model)
-    return out
+    device = ddist.world().device
+    return run_steps(cp_parallelism(), build_gpt(cfg, seed).to(device),
+                     gpt_batches(cfg, batch, device), steps,
+                     optimizer_class=optimizer_class,
+                     optimizer_kwargs={"lr": lr, **optimizer_kwargs})
 
 
 def tp_and_sp_block(cfg: GPTConfig, batch: int, seed: int = 0) -> dict[str, Any]:
@@ -253,11 +250,11 @@ def train_interleaved(gpt: dict, batch: int, n_microbatches: int, steps: int,
     virtual stages ``r, r + p, ..., r + (v - 1) p``, each wrapped in a
     ``PipelineStage``, and ``ScheduleInterleaved1F1B`` (or
     ``ScheduleInterleavedZeroBubble``) runs them. The loss divides by ``m`` and
-    ``scale_grads`` is off, as in Chapter 6's ``train_torch``.
+    ``scale_grads`` is off, as in Chapter 6's torch path.
 
     Args:
         gpt: the GPT's configuration as a dict (Chapter 6's ``PP_GPT``).
-        batch, n_microbatches, steps: as Chapter 6's ``train_torch``.
+        batch, n_microbatches, steps: as Chapter 6's ``train_pipeline``.
         n_chunks: model chunks per rank, ``v``.
         schedule: ``"interleaved-1f1b"`` or ``"interleaved-zero-bubble"``.
     Returns:
@@ -270,7 +267,7 @@ def train_interleaved(gpt: dict, batch: int, n_microbatches: int, steps: int,
     from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
                                                ScheduleInterleavedZeroBubble)
 
-    from dtlib.chapters.ch06_pipeline_parallel.runs import _batch, _opt, lm_loss
+    from dtlib.chapters.ch06_pipeline_parallel.runs import OPTIMIZER, lm_loss
     from dtlib.pipeline_parallel.split import split_gpt
 
     classes = {"interleaved-1f1b": ScheduleInterleaved1F1B,
@@ -295,12 +292,14 @@ def train_interleaved(gpt: dict, batch: int, n_microbatches: int, steps: int,
         inspect.signature(cls.__init__).parameters else {}
     sched = cls(pstages, n_microbatches, loss_fn=loss_fn, **kwargs)
     params = [q for mod in mine for q in mod.parameters()]
-    opt = _opt(params)
+    kwargs_opt = dict(OPTIMIZER)  # Chapter 6's optimizer (SGD with momentum)
+    opt = kwargs_opt.pop("optimizer_class")(params, **kwargs_opt)
     named = {n: q for mod in mine for n, q in mod.named_parameters()}
     losses, grads = [], {}
     first, last = w.rank == 0, w.rank == p - 1  # virtual stages 0 and p*v - 1
     for step in range(steps):
-        idx, tgt = _batch(cfg, batch, step)
+        # Chapter 6's reference batches: step k trains on token_batch(seed=k)
+        idx, tgt = token_batch(cfg, batch, seed=step, device=w.device)
         opt.zero_grad()
         mb_losses: list[torch.Tensor] = []
         kw: dict[str, Any] = {"target": tgt, "losses": mb_losses} if last else {}
