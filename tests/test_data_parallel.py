@@ -363,13 +363,6 @@ def test_validation(suite) -> None:
 
 # ---- exercise checkers: each accepts the right answer and rejects wrong ones ------
 
-def good_hook(group, bucket):
-    buf = bucket.buffer()
-    buf.div_(dist.get_world_size(group))
-    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
-
-
 def summing_hook(group, bucket):
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
@@ -381,12 +374,11 @@ def silent_hook(group, bucket):
     return fut
 
 
-def test_bucket_hook_checker(capsys) -> None:
+def test_bucket_hook_checker_names_the_wrong_sum_and_the_silent_hook() -> None:
     from dtlib.exercises import WrongAnswer
     from dtlib.exercises.data_parallel import check_bucket_hook
 
-    check_bucket_hook(good_hook)
-    assert "Correct" in capsys.readouterr().out
+    # A right hook is accepted in test_exercises.py (with the synchronous ones).
     with pytest.raises(WrongAnswer, match="world_size times too large"):
         check_bucket_hook(summing_hook)
     with pytest.raises(WrongAnswer, match="0 all-reduce calls"):

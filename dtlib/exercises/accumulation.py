@@ -89,6 +89,9 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
                 where = f"world_size={n}, rank {rank}, token counts {counts}"
                 if isinstance(got, bool) or not isinstance(got, (int, float)):
                     raise WrongAnswer(f"{where}: expected a number, got {got!r}")
+                # N / T in float32 is within 2 ulps (2 * 2**-24 ~ 1.2e-7) of the
+                # truth (T < 2**24 is exact); rel_tol=1e-6 allows 16 ulps, while
+                # the wrong normalisers are off by factors (1/T_r, 1/T).
                 if math.isclose(got, want, rel_tol=1e-6):
                     if comms.count("all_reduce") > 1 or set(comms) - {"all_reduce"}:
                         raise WrongAnswer(f"{where}: right, but it issues {comms}; "
