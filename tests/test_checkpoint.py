@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from dtlib.runtime import launch
-from dtlib.checkpoint.state import (STATE_KEYS, ResumableSampler, atomic_save,
-                              checkpoint_path, latest_checkpoint, list_checkpoints,
-                              load_checkpoint, rng_state, set_rng_state)
+from dtlib.checkpoint.state import (STATE_KEYS, atomic_save, checkpoint_path,
+                                    latest_checkpoint, list_checkpoints,
+                                    load_checkpoint, rng_state, set_rng_state)
 from dtlib.chapters.ch09_checkpointing.runs import (CrashDuringSave, SimulatedCrash,
-                                     crafted_checkpoint, ddp_resume_proof,
-                                     seed_resume_step, seed_save_name, train_run)
+                                                    crafted_checkpoint,
+                                                    ddp_resume_proof,
+                                                    seed_resume_step, seed_save_name,
+                                                    train_run)
+from dtlib.data_parallel.sampling import ResumableSampler
 from dtlib.exercises import WrongAnswer, checkpoint as ex
 from dtlib.models.gpt import build_gpt
 from dtlib.chapters.ch09_checkpointing.sharded_runs import (FSDP_CFG, fsdp_load_both,
@@ -164,14 +167,21 @@ def test_load_rejects_bad_keys_and_world_size(tmp_path):
         load_checkpoint(latest_checkpoint(tmp_path), model)
 
 
+def _good_and_bad(root: str) -> tuple[dict, dict]:
+    """On each of the ranks, in one launch: the proof with the whole state restored,
+    and with the RNG and sampler states left out."""
+    good = ddp_resume_proof(os.path.join(root, "a"), TOTAL, STOP)
+    bad = ddp_resume_proof(os.path.join(root, "b"), TOTAL, STOP,
+                           ("model", "optimizer", "scheduler"))
+    return good, bad
+
+
 def test_ddp_resume_two_ranks(tmp_path):
-    good = launch.spawn(ddp_resume_proof, 2, str(tmp_path / "a"), TOTAL, STOP,
-                        stream=False, timeout=120)
+    ranks = launch.spawn(_good_and_bad, 2, str(tmp_path), stream=False, timeout=240)
+    good, bad = [r[0] for r in ranks], [r[1] for r in ranks]
     assert all(r["equal"] for r in good)
     # the two ranks hold the same (all-reduced) model, and it is the straight run's
     assert torch.equal(good[0]["resumed"], good[1]["resumed"])
-    bad = launch.spawn(ddp_resume_proof, 2, str(tmp_path / "b"), TOTAL, STOP,
-                       ("model", "optimizer", "scheduler"), stream=False, timeout=120)
     assert not any(r["equal"] for r in bad)
 
 
@@ -225,7 +235,8 @@ def test_check_atomic_save():
 # ---- safe DCP loads, damage, permissions, leftovers, equal sampler counts ------------
 
 def _dcp_dir(path: str) -> tuple[dict, dict]:
-    """A small DCP checkpoint with a manifest (one process); returns (saved, template)."""
+    """A small DCP checkpoint with a manifest (one process); returns (saved,
+    template)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp

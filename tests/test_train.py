@@ -159,7 +159,8 @@ def one():
     torch.set_num_threads(1)
     return {"sgd": one_process(*BASE, *SGD, "--accum-steps", "2"),
             "sgd_big": one_process(*BASE, *SGD, "--micro-batch", "4"),
-            "bf16_big": one_process(*BASE, *SGD, "--micro-batch", "4", "--precision", "bf16")}
+            "bf16_big": one_process(*BASE, *SGD, "--micro-batch", "4",
+                                    "--precision", "bf16")}
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,7 @@ def four(tmp_path_factory):
                         timeout=900)[0]
 
 
-# ---- equal to one process -------------------------------------------------------------
+# ---- equal to one process ------------------------------------------------------------
 
 @pytest.mark.timeout(1200)  # the first user of a fixture waits for its launch
 def test_two_ranks_equal_one_rank_with_the_same_global_batch(one, two):
@@ -254,7 +255,7 @@ def test_bf16_stays_close_to_fp32(one):
     assert abs(bf16 - fp32) < 0.02 * fp32
 
 
-# ---- bit-exact resumes ----------------------------------------------------------------
+# ---- bit-exact resumes ---------------------------------------------------------------
 
 @pytest.mark.timeout(1200)
 def test_ddp_crash_and_resume_is_bit_exact(two):
@@ -327,7 +328,7 @@ def test_fsdp_tp_resumes_bit_exactly(four):
     assert crash["losses"]["4"] == resumed["losses"]["4"]  # redone identically
 
 
-# ---- under torchrun: the script itself ----------------------------------------------
+# ---- under torchrun: the script itself -----------------------------------------------
 
 @pytest.mark.timeout(1200)
 def test_the_script_under_torchrun_equals_one_process(tmp_path, one):
@@ -342,7 +343,7 @@ def test_the_script_under_torchrun_equals_one_process(tmp_path, one):
     assert_equal_to_one_process(summary, one["sgd"])
 
 
-# ---- the parts ------------------------------------------------------------------------
+# ---- the parts -----------------------------------------------------------------------
 
 def test_strategy_table_is_the_flag():
     assert tuple(STRATEGIES) == STRATEGY_NAMES

@@ -14,7 +14,8 @@ from unittest import mock
 import torch
 
 from dtlib.checkpoint.state import STATE_KEYS
-from dtlib.chapters.ch09_checkpointing.runs import CrashDuringSave, SimulatedCrash, train_run
+from dtlib.chapters.ch09_checkpointing.runs import (CrashDuringSave, SimulatedCrash,
+                                                    train_run)
 from dtlib.exercises import WrongAnswer, checker, passed
 
 _STRAIGHT: dict[int, torch.Tensor] = {}
@@ -76,7 +77,8 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
             synced.append(fd)
             real_fsync(fd)
 
-        with mock.patch("os.replace", spy_replace), mock.patch("os.rename", spy_rename), \
+        with mock.patch("os.replace", spy_replace), \
+                mock.patch("os.rename", spy_rename), \
                 mock.patch("os.fsync", spy_fsync):
             save(good, path)
         try:

@@ -5,8 +5,9 @@ has: dropout (torch RNG), a random crop of each sample (Python ``random``), rand
 noise (NumPy), a shuffled sampler whose order changes each epoch, and a cosine learning
 rate. It can save, stop (the "crash": every object is dropped), and resume from the
 newest checkpoint restoring all or only some of the state, skipping the consumed batches
-arithmetically or by replaying the loader. Run under :func:`dtlib.runtime.launch.spawn` it
-trains with DDP. The chapter compares final parameters with ``torch.equal``.
+arithmetically or by replaying the loader. It trains through the one loop,
+:func:`dtlib.models.run.run_steps` (saving and the "crash" ride on its ``on_step``);
+run under :func:`dtlib.runtime.launch.spawn` it trains with DDP. The chapter compares final parameters with ``torch.equal``.
 
 Also here: the seed tutorial's defects 36 and 39 as small reproductions.
 
@@ -18,27 +19,28 @@ from __future__ import annotations
 import os
 import random
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from dtlib.checkpoint.state import (STATE_KEYS, ResumableSampler, latest_checkpoint,
-                              load_checkpoint, rng_state, save_checkpoint,
-                              set_rng_state)
-from dtlib.runtime.dist import world
+from dtlib import data_parallel
+from dtlib.checkpoint.state import (STATE_KEYS, latest_checkpoint, load_checkpoint,
+                                    rng_state, save_checkpoint, set_rng_state)
+from dtlib.data_parallel.sampling import ResumableSampler
 from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.sizes import size
+from dtlib.runtime.dist import world
 
 __all__ = ["CropNoiseTokens", "RUN_CFG", "train_run", "ddp_resume_proof",
            "seed_save_name", "seed_resume_name", "seed_resume_step", "Payload",
            "crafted_checkpoint", "SimulatedCrash", "CrashDuringSave"]
 
 #: The chapter's model: dropout > 0 so that the torch RNG matters.
-from dtlib.models.sizes import size
-
 RUN_CFG = size("tiny-dropout")
 
 
@@ -110,14 +112,12 @@ def train_run(total_steps: int, ckpt_dir: str | None = None, *,
     if (save_every or resume) and ckpt_dir is None:
         raise ValueError("ckpt_dir=None: saving or resuming needs a directory")
     w = world()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if \
-        dist.is_initialized() else (0, 1)
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    par = data_parallel.parallelism("torch") if many else Parallelism()  # DDP or one
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if many else (0, 1)
     _seed_all(seed + rank)
-    model = build_gpt(RUN_CFG, seed).to(w.device)
-    if world_size > 1:
-        ids = [w.device] if w.device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    model = par.apply(build_gpt(RUN_CFG, seed).to(w.device))
+    opt = par.make_optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps)
     data = CropNoiseTokens(dataset_len, load_cost_s=load_cost_s)
     sampler = ResumableSampler(dataset_len, rank=rank, world_size=world_size, seed=seed)
@@ -125,52 +125,53 @@ def train_run(total_steps: int, ckpt_dir: str | None = None, *,
     # from the global torch RNG would shift dropout after a resume.
     loader = DataLoader(data, batch_size=batch, sampler=sampler,
                         generator=torch.Generator().manual_seed(seed))
-    step = epoch = 0
+    pos = {"step": 0, "epoch": 0, "it": None}  # where the data stands
     t_load = None
-    it = None
     if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
         t_load = time.perf_counter()
         meta = load_checkpoint(path, model, opt, sched, sampler, restore=restore)
-        step, epoch = meta["step"], meta["epoch"]
+        pos["step"], pos["epoch"] = meta["step"], meta["epoch"]
         if replay:  # the seed's way: rewind the epoch, load and discard what was used
             consumed = sampler.position
             sampler.set_epoch(sampler.epoch)
             generators = rng_state()  # loading samples draws crops and noise
-            it = iter(loader)
+            pos["it"] = iter(loader)
             for _ in range(-(-consumed // batch)):
-                next(it)
+                next(pos["it"])
             set_rng_state(generators)
-    start_step, losses = step, []
-    it = iter(loader) if it is None else it
-    while step < total_steps:
-        try:
-            x, y = next(it)
-        except StopIteration:
-            epoch += 1
-            sampler.set_epoch(epoch)
-            it = iter(loader)
-            continue
-        x, y = x.to(w.device), y.to(w.device)
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        step += 1
-        losses.append(loss.item())
-        if t_load is not None and len(losses) == 1:
-            t_load = time.perf_counter() - t_load
+    start_step = pos["step"]
+    pos["it"] = iter(loader) if pos["it"] is None else pos["it"]
+
+    def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
+        if t_load is not None and step == start_step + 1:
+            extra["resume_s"] = time.perf_counter() - t_load
         if save_every and step % save_every == 0:
-            save_checkpoint(ckpt_dir, step, model, opt, sched, sampler, epoch=epoch)
-        if stop_at is not None and step >= stop_at:
-            break
-    inner = model.module if hasattr(model, "module") else model
-    params = torch.cat([p.detach().float().flatten().cpu() for p in inner.parameters()])
-    return {"params": params, "step": step, "losses": losses,
-            "lr": sched.get_last_lr()[0], "loads": data.loads,
-            "resume_s": t_load if isinstance(t_load, float) and start_step else 0.0,
+            save_checkpoint(ckpt_dir, step, model, opt, sched, sampler,
+                            epoch=pos["epoch"])
+        return stop_at is not None and step >= stop_at  # the "crash"
+
+    run = run_steps(par, model, partial(_next_batch, pos, sampler, loader, w.device),
+                    total_steps, start=start_step, local=True, wrapped=model,
+                    optimizer=opt, scheduler=sched, record_grads=False,
+                    on_step=on_step)
+    params = torch.cat([p.float().flatten() for p in run.params.values()])
+    return {"params": params, "step": start_step + len(run.losses),
+            "losses": run.losses, "lr": sched.get_last_lr()[0], "loads": data.loads,
+            "resume_s": run.extra.get("resume_s", 0.0) if start_step else 0.0,
             "start_step": start_step}
+
+
+def _next_batch(pos: dict[str, Any], sampler: ResumableSampler, loader: DataLoader,
+                device: torch.device, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loader's next batch, on ``device``; a new epoch when one runs out."""
+    while True:
+        try:
+            x, y = next(pos["it"])
+            return x.to(device), y.to(device)
+        except StopIteration:
+            pos["epoch"] += 1
+            sampler.set_epoch(pos["epoch"])
+            pos["it"] = iter(loader)
 
 
 def ddp_resume_proof(ckpt_dir: str, total_steps: int, stop_at: int,

@@ -1,4 +1,5 @@
-"""What Chapter 9's page runs for sharded checkpoints: FSDP2 save and load, ours and DCP.
+"""What Chapter 9's page runs for sharded checkpoints: FSDP2 save and load, ours and
+DCP.
 
 Taught in: Chapter 9, "Sharded checkpoints".
 """
@@ -6,25 +7,21 @@ Taught in: Chapter 9, "Sharded checkpoints".
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
-
+from dtlib import zero
 from dtlib.checkpoint.sharded import flatten, load_sharded, save_sharded, state_bytes
 from dtlib.checkpoint.state import atomic_save
 from dtlib.models.gpt import build_gpt, token_batch
+from dtlib.models.run import full_tensor, local_tensor, run_steps
 from dtlib.models.sizes import size
 from dtlib.runtime.dist import world
-from dtlib.zero.fsdp import shard_fsdp2
 
 __all__ = ["FSDP_CFG", "fsdp_save_both", "fsdp_load_both"]
 
@@ -33,24 +30,24 @@ FSDP_CFG = size("tiny-untied")
 
 
 def _fsdp_job(seed: int, train_steps: int) -> tuple[torch.nn.Module, Any]:
+    """FSDP2 on every rank, trained ``train_steps`` steps (each rank its rows of a
+    global batch of 8) so that the optimizer has moments worth saving."""
     w = world()
-    model = shard_fsdp2(build_gpt(FSDP_CFG, seed).to(w.device))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(train_steps):  # so the optimizer has moments worth saving
-        x, y = token_batch(FSDP_CFG, 8, seed=100 + step, device=w.device)
-        per = 8 // dist.get_world_size()
-        r = dist.get_rank()
-        logits = model(x[r * per:(r + 1) * per])
-        target = y[r * per:(r + 1) * per].flatten()
-        F.cross_entropy(logits.flatten(0, 1), target).backward()
-        opt.step()
-        opt.zero_grad()
+    par = zero.parallelism(3, variant="fsdp2")
+    model = par.apply(build_gpt(FSDP_CFG, seed).to(w.device))
+    opt = par.make_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    run_steps(par, model, partial(_batch, w.device), train_steps, wrapped=model,
+              optimizer=opt, record_grads=False, record_params=False)
     return model, opt
+
+
+def _batch(device: torch.device, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return token_batch(FSDP_CFG, 8, seed=100 + step, device=device)
 
 
 def _full(state: Any) -> dict[str, torch.Tensor]:
     """Flattened full tensors of ``state`` (DTensors gathered: collective)."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+    return {k: full_tensor(v).detach().cpu().clone()
             for k, v in flatten(state).items() if isinstance(v, torch.Tensor)}
 
 
@@ -70,9 +67,8 @@ def fsdp_save_both(teach_dir: str, dcp_dir: str, naive_path: str) -> dict[str, A
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     if dist.get_rank() == 0:  # ERRATA 40: what "save on rank 0" really writes
-        atomic_save({k: (v.to_local() if isinstance(v, DTensor) else v)
-                     for k, v in flatten(state).items() if isinstance(v, torch.Tensor)},
-                    naive_path)
+        atomic_save({k: local_tensor(v) for k, v in flatten(state).items()
+                     if isinstance(v, torch.Tensor)}, naive_path)
     dist.barrier()
     save_sharded(state, teach_dir)
     dcp.save(state, checkpoint_id=dcp_dir)
