@@ -1,31 +1,84 @@
-"""Two dimensions of parallelism, proven equal to one process (Chapter 11).
+"""Two and three dimensions of parallelism, proven equal to one process (Chapter 11).
 
 On 4 gloo ranks as 2 x 2 and on 2 ranks as 1 x 2: our tensor parallel inside our
-data parallel on hand-built groups, torch's FSDP2 x TP on a DeviceMesh, HSDP, and
-our pipeline inside our data parallel —
-each against the single-process run (losses, first-step gradients, parameters after
-three AdamW steps), and the bytes on each mesh dimension against the formulas.
+data parallel on hand-built groups, torch's FSDP2 x TP on a DeviceMesh, HSDP, our
+pipeline inside our data parallel and torch's schedule over FSDP2 stages; on 8 ranks
+dp x pp x tp. Each is one ``parallel_nd.parallelism`` trained by the one loop with
+SGD with momentum, against the single-process run (losses, first-step gradients,
+parameters after three steps: every rank gathers every stage and shard), and the
+bytes on each mesh dimension against the formulas. One launch per world size; the
+references once, here; planted defects (a dp group that forgets the average, every
+replica on the same rows) must fail the same comparison.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from dtlib.chapters.ch11_multi_dim.runs import (PIPELINE, TINY, all_layouts,
-                                               comm_by_dim, reference)
-from dtlib.parallel_nd import data_shard, lines_along, rank_grid
+from dtlib.chapters.ch11_multi_dim.runs import (LR, PIPELINE, TINY, all_layouts,
+                                               comm_by_dim, reference, train,
+                                               train_3d)
+from dtlib.models.gpt import GPTConfig
+from dtlib.parallel_nd import (build_grid_groups, data_shard, lines_along,
+                               parallelism, rank_grid)
+from dtlib.parallel_nd.layouts import PpDp, TpDp
+from dtlib.pipeline_parallel import PipelineParallel
 from dtlib.runtime import launch
 
 BATCH, STEPS = 8, 3
 FP32 = 4  # bytes per element
-# Losses and gradients differ from one process only by summation order (fp32).
-# Parameters: the key bias gets an exactly-zero gradient in exact arithmetic
-# (softmax ignores a constant shift of the scores), so its float gradient is noise
-# near 1e-12 that AdamW normalises to a step of up to lr: hence atol 1e-5 there.
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
-PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
 PIPELINED = ("pp_dp", "fsdp_pp")
+U = 2.0 ** -24  # fp32 unit roundoff
+
+
+def bounds(cfg: GPTConfig, dp: int, steps: int = STEPS) -> dict[str, float]:
+    """What a layout and one process can differ by: the same fp32 arithmetic in
+    another order, relative to the magnitudes summed.
+
+    A length-n sum or dot product in any order is within n*u of the exact value,
+    relative to the sum of its terms' magnitudes (Higham's gamma_n). A layout
+    changes orders only: tp splits each dot product of length <= 4 * hidden into
+    partial sums added by an all-reduce; micro-batches and dp replicas split the
+    batch * seq_len terms of the loss and of each weight gradient into partial sums
+    added after (dp more terms). Forward: n_layers + 1 such dot products deep, then
+    the mean loss; backward: as deep again.
+
+    SGD with momentum 0.9: after K steps a parameter moved by lr times at most
+    K(K+1)/2 gradients (sum_k sum_{j<=k} 0.9^(k-j) <= sum_k (k+1)); twice that for
+    the parameter differences feeding back into later gradients (a few steps of a
+    small lr: lr * |curvature| well below 1).
+
+    Returns:
+        ``loss`` (relative), ``grad`` (relative to the model's largest gradient
+        entry), ``param`` (the same, for parameters).
+    """
+    depth = (cfg.n_layers + 1) * 4 * cfg.hidden
+    terms = BATCH * cfg.seq_len + dp
+    grad = U * (2 * depth + terms)
+    return {"loss": U * (depth + terms), "grad": grad,
+            "param": 2 * LR * steps * (steps + 1) / 2 * grad}
+
+
+def _scale(ref) -> float:
+    """The largest gradient entry: the magnitude the bounds are relative to (a
+    near-zero gradient, e.g. the key bias's, is a sum of such terms that cancel)."""
+    return max(g.abs().max().item() for g in ref["grads"].values())
+
+
+def compare(out: dict, ref, cfg: GPTConfig, dp: int, where: str) -> None:
+    b, g = bounds(cfg, dp), _scale(ref)
+    assert out["grads"].keys() == ref["grads"].keys(), where
+    assert out["params"].keys() == ref["params"].keys(), where
+    for name, t in out["grads"].items():
+        torch.testing.assert_close(t, ref["grads"][name], rtol=0, atol=b["grad"] * g,
+                                   msg=f"{where} grad {name}")
+    torch.testing.assert_close(out["losses"], ref["losses"], rtol=b["loss"], atol=0,
+                               msg=f"{where} losses")
+    for name, t in out["params"].items():
+        torch.testing.assert_close(t, ref["params"][name], rtol=0,
+                                   atol=b["param"] * g, msg=f"{where} param {name}")
 
 
 def test_rank_grid_lines():
@@ -44,37 +97,83 @@ def test_rank_grid_lines():
         data_shard(torch.zeros(6), 0, 4)
 
 
+def test_factory_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="layout"):
+        parallelism("zero_tp")
+    with pytest.raises(ValueError, match="mesh"):
+        parallelism("fsdp_tp")
+    with pytest.raises(ValueError, match="grid"):
+        parallelism("tp_dp", grid=None)
+
+
+class ForgetsTheAverage(PpDp):
+    """A planted defect: each replica keeps its own rows' gradients."""
+
+    def forward_backward(self, wrapped, batch, loss_fn, scale=1.0, scaler=None):
+        return PipelineParallel.forward_backward(self, wrapped, batch, loss_fn,
+                                                 scale, scaler)
+
+
+class SameRows(TpDp):
+    """A planted defect: every replica trains on replica 0's rows."""
+
+    def local_batch(self, batch):
+        return tuple(data_shard(t, 0, self.dp_size) for t in batch)
+
+
+def defects() -> dict:
+    """On 4 ranks: the planted defects, each trained as its layout is."""
+    grid = build_grid_groups(("dp", "pp"), (2, 2))
+    forgets = train(ForgetsTheAverage(grid, "1f1b", 2), PIPELINE, BATCH, STEPS,
+                    functional=False)
+    grid = build_grid_groups(("dp", "tp"), (2, 2))
+    same = train(SameRows(grid), TINY, BATCH, STEPS, functional=False)
+    return {"forgets_average": forgets, "same_rows": same}
+
+
+def all_runs(dp: int, inner: int) -> dict:
+    """On every rank: every 2-D layout; on 4 ranks the defects too."""
+    out = {"layouts": all_layouts(dp, inner, TINY, BATCH, STEPS)}
+    if dist.get_world_size() == 4:
+        out["defects"] = defects()
+    return out
+
+
 @pytest.fixture(scope="module")
 def truth():
     return {"gpt": reference(TINY, BATCH, STEPS),
             "pipeline": reference(PIPELINE, BATCH, STEPS)}
 
 
-@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2)])
-def test_2d_layouts_equal_one_process(truth, dp, tp):
-    res = launch.spawn(all_layouts, dp * tp, dp, tp, TINY, BATCH, STEPS,
-                       stream=False, timeout=300)
-    for rank, per_layout in enumerate(res):
-        for layout, out in per_layout.items():
-            where = f"{layout} rank {rank}"
-            ref = truth["pipeline" if layout in PIPELINED else "gpt"]
-            torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5,
-                                       atol=1e-6, msg=where)
-            if layout not in PIPELINED:  # a pipeline rank holds its stage only
-                assert out["grads"].keys() == ref["grads"].keys(), where
-            for name, g in out["grads"].items():
-                torch.testing.assert_close(g, ref["grads"][name], **GRAD_TOL,
-                                           msg=f"{where} grad {name}")
-            for name, p in out["params"].items():
-                torch.testing.assert_close(p, ref["params"][name], **PARAM_TOL,
-                                           msg=f"{where} param {name}")
-    for layout in PIPELINED:  # the stages cover the model
-        stages = set().union(*(r[layout]["params"] for r in res))
-        assert stages == set(truth["pipeline"]["params"]), layout
+@pytest.fixture(scope="module")
+def launched():
+    """One launch per grid (run the first time a test asks)."""
+    cache: dict = {}
 
+    def get(dp: int, tp: int) -> list[dict]:
+        if (dp, tp) not in cache:
+            cache[dp, tp] = launch.spawn(all_runs, dp * tp, dp, tp, stream=False,
+                                         timeout=400)
+        return cache[dp, tp]
+    return get
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2)])
+def test_2d_layouts_equal_one_process(truth, launched, dp, tp):
+    res = launched(dp, tp)
+    for rank, r in enumerate(res):
+        for layout, out in r["layouts"].items():
+            pipelined = layout in PIPELINED
+            compare(out, truth["pipeline" if pipelined else "gpt"],
+                    PIPELINE if pipelined else TINY, dp, f"{layout} rank {rank}")
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2)])
+def test_bytes_per_dimension(launched, dp, tp):
     cfg = TINY
     tp_bytes = 4 * cfg.n_layers * (BATCH // dp) * cfg.seq_len * cfg.hidden * FP32
-    for per_layout in res:
+    for r in launched(dp, tp):
+        per_layout = r["layouts"]
         ours, torch_, hsdp = (per_layout[k] for k in ("ours", "torch", "hsdp"))
         assert ours["groups"] == torch_["groups"]  # the mesh is our grid
         by_dim = comm_by_dim(ours)
@@ -103,12 +202,11 @@ def test_2d_layouts_equal_one_process(truth, dp, tp):
         by_dim = comm_by_dim(pipe)
         act = (BATCH // dp) * PIPELINE.seq_len * PIPELINE.hidden * FP32
         assert by_dim["pp"]["send"] == by_dim["pp"]["recv"] == act
-        grads = FP32 * sum(g.numel() for g in pipe["grads"].values())
+        grads = FP32 * sum(pipe["grads"][n].numel() for n in pipe["stage_names"])
         assert by_dim.get("dp", {}) == ({"all_reduce": grads} if dp > 1 else {})
-        # torch's schedule over FSDP2 stages: the same activations on pp (plus a
-        # few bytes of shape metadata on the first step); on dp one reduce-scatter
-        # of the stage's gradients after the last micro-batch, and the weights'
-        # all-gathers, repeated for every micro-batch
+        # torch's schedule over FSDP2 stages: the same activations on pp; on dp one
+        # reduce-scatter of the stage's gradients after the last micro-batch, and
+        # the weights' all-gathers, repeated for every micro-batch
         by_dim = comm_by_dim(per_layout["fsdp_pp"])
         assert act <= by_dim["pp"]["send"] <= 1.01 * act
         assert act <= by_dim["pp"]["recv"] <= 1.01 * act
@@ -117,25 +215,20 @@ def test_2d_layouts_equal_one_process(truth, dp, tp):
             assert by_dim["dp"]["all_gather"] > 2 * grads
 
 
-def test_3d_dp_pp_tp_on_8_ranks(truth):
-    from dtlib.chapters.ch11_multi_dim.runs import train_3d
+def test_tolerances_catch_planted_defects(truth, launched):
+    for rank, r in enumerate(launched(2, 2)):
+        d = r["defects"]
+        with pytest.raises(AssertionError, match="grad"):
+            compare(d["forgets_average"], truth["pipeline"], PIPELINE, 2,
+                    f"forgets rank {rank}")
+        with pytest.raises(AssertionError):
+            compare(d["same_rows"], truth["gpt"], TINY, 2, f"same rows rank {rank}")
 
-    ref = truth["pipeline"]
+
+def test_3d_dp_pp_tp_on_8_ranks(truth):
     res = launch.spawn(train_3d, 8, 2, 2, 2, PIPELINE, BATCH, stream=False,
                        timeout=500)
-    # Tensor parallelism inside the stages changes more summation orders: the
-    # gradients still agree to 1e-6, but AdamW turns gradients below ~1e-7 (its
-    # eps is 1e-8) into steps whose sign is float noise, up to lr = 1e-3 per step.
-    # Parameters: atol 5e-5, 5 % of one step.
     for rank, out in enumerate(res):
-        torch.testing.assert_close(out["losses"], ref["losses"], rtol=1e-5,
-                                   atol=1e-6, msg=f"rank {rank}")
-        for name, g in out["grads"].items():
-            torch.testing.assert_close(g, ref["grads"][name], **GRAD_TOL,
-                                       msg=f"rank {rank} grad {name}")
-        for name, p in out["params"].items():
-            torch.testing.assert_close(p, ref["params"][name], rtol=1e-4, atol=5e-5,
-                                       msg=f"rank {rank} param {name}")
-    assert set().union(*(r["params"] for r in res)) == set(ref["params"])
+        compare(out, truth["pipeline"], PIPELINE, 2, f"rank {rank}")
     for out in res:  # every dimension carried traffic, none went elsewhere
         assert set(comm_by_dim(out)) == {"dp", "pp", "tp"}

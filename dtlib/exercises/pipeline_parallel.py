@@ -90,7 +90,8 @@ def _pp_on_rank(step: Callable[..., Any]) -> dict[str, Any]:
 def _pp_truth() -> dict[str, Any]:
     stages = _pp_stages()
     xs, ys = _pp_data()
-    losses = [F.mse_loss(stages[1](stages[0](x)), y) / _PP_MICRO for x, y in zip(xs, ys)]
+    losses = [F.mse_loss(stages[1](stages[0](x)), y) / _PP_MICRO
+              for x, y in zip(xs, ys)]
     sum(losses).backward()
     return {"loss": sum(l.item() for l in losses),
             "grads": [[p.grad for p in s.parameters()] for s in stages]}
@@ -122,7 +123,8 @@ def check_pipeline_step(step: Callable[..., Any]) -> None:
     if abs(loss - truth["loss"]) > 1e-5 * abs(truth["loss"]):
         raise WrongAnswer(f"rank 1's summed loss, {loss:.6g}, is not one process's on "
                           "the same micro-batches.")
-    for rank, name in ((1, "the second stage (rank 1)"), (0, "the first stage (rank 0)")):
+    for rank, name in ((1, "the second stage (rank 1)"),
+                       (0, "the first stage (rank 0)")):
         for got, want in zip(ranks[rank]["grads"], truth["grads"][rank]):
             if got is None:
                 raise WrongAnswer(
@@ -131,7 +133,8 @@ def check_pipeline_step(step: Callable[..., Any]) -> None:
                     "requires_grad_()), and rank 0 must call y.backward(grad) on the "
                     "output it sent ('Two schedules').")
             if torch.allclose(got, want * _PP_MICRO, rtol=1e-4, atol=1e-6):
-                raise WrongAnswer(f"{name}: gradients are len(targets) times too large.")
+                raise WrongAnswer(
+                    f"{name}: gradients are len(targets) times too large.")
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
                 raise WrongAnswer(f"{name}: gradients differ from one process's.",
                                   "pair each activation gradient with the output of "

@@ -54,7 +54,8 @@ def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
 
 # ---- build it: one dynamic loss-scaler update that all ranks agree on ----------------
 
-#: Which rank's gradients overflow at each step (2 ranks): the ranks disagree at 2 and 5.
+# Which rank's gradients overflow at each step (2 ranks): the ranks disagree at 2
+# and 5.
 _OVERFLOWS = ((False, False), (False, False), (False, True), (True, True),
               (False, False), (True, False), (False, False), (False, False))
 _INIT_SCALE, _INTERVAL = 2.0 ** 16, 3

@@ -129,21 +129,19 @@ def fsdp_tp(model: GPT, mesh: Any, mp_policy: Any = None) -> GPT:
                        mesh=mesh["dp"])
 
 
-def hsdp(model: GPT, mesh: Any) -> GPT:
+def hsdp(model: GPT, mesh: Any, mp_policy: Any = None) -> GPT:
     """Hybrid sharded data parallel: FSDP2 on a ("replicate", "shard") mesh.
 
     Args:
         model: a full GPT, identical on every rank.
         mesh: a 2-D ``DeviceMesh``; dim 0 replicates, dim 1 shards.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` or None (fp32).
     Returns:
         ``model``, sharded in place.
 
     Taught in: Chapter 11, "HSDP: shard inside, replicate across".
     """
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_fsdp2(model, list(model.blocks), mp_policy=mp_policy, mesh=mesh)
 
 
 def data_shard(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:

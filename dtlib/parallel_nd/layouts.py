@@ -4,8 +4,15 @@
 mesh, how the model is split and wrapped, which rows of the global batch this rank
 trains on, and how the full parameters are gathered back, for each layout:
 
+- ``"tp_dp"``: our Megatron layers on the grid's tp groups inside our DataParallel on
+  its dp groups (:func:`~dtlib.parallel_nd.compose.tp_inside_dp`);
 - ``"fsdp_tp"``: torch's DTensor TP on ``mesh["tp"]``, FSDP2 on ``mesh["dp"]``
-  (:func:`~dtlib.parallel_nd.compose.fsdp_tp`); the capstone's ``--tp``.
+  (:func:`~dtlib.parallel_nd.compose.fsdp_tp`); the capstone's ``--tp``;
+- ``"hsdp"``: FSDP2 on a ("replicate", "shard") mesh; every rank its own rows;
+- ``"pp_dp"``: our pipeline (Chapter 6) on the grid's pp groups, each stage's
+  gradients averaged over its dp group; with a "tp" dimension in the grid, our
+  Megatron layers inside each stage (three dimensions);
+- ``"fsdp_pp"``: torch's schedule over FSDP2-sharded stages on a ("dp", "pp") mesh.
 
 Taught in: Chapter 11, "Two dimensions, ours and torch's".
 """
@@ -13,19 +20,25 @@ Taught in: Chapter 11, "Two dimensions, ours and torch's".
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.models.gpt import GPT
 from dtlib.models.run import Batch, Parallelism, full_tensor, unwrap
-from dtlib.parallel_nd.compose import data_shard, fsdp_tp
-from dtlib.tensor_parallel.gpt import full_tensors
+from dtlib.parallel_nd.compose import (average_across_replicas, data_shard, fsdp_tp,
+                                       hsdp, tp_inside_dp)
+from dtlib.parallel_nd.grid import GridGroups
+from dtlib.pipeline_parallel.pipelined import PipelineParallel
+from dtlib.tensor_parallel.gpt import full_tensors, tensor_parallelize
+from dtlib.zero.fsdp import fully_shard
 
-__all__ = ["LAYOUTS", "parallelism", "FsdpTp", "clip_grad_norm_nd"]
+__all__ = ["LAYOUTS", "parallelism", "TpDp", "FsdpTp", "Hsdp", "PpDp", "FsdpPp",
+           "clip_grad_norm_nd"]
 
-LAYOUTS = ("fsdp_tp",)
+LAYOUTS = ("tp_dp", "fsdp_tp", "hsdp", "pp_dp", "fsdp_pp")
 
 
 def clip_grad_norm_nd(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -61,6 +74,65 @@ def _rows(batch: Batch, index: int, parts: int) -> Batch:
     return tuple(data_shard(t, index, parts) for t in batch)
 
 
+def _mean_over(loss: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """The mean of every replica's loss (the ranks of ``group`` hold one each)."""
+    mean = full_tensor(loss).detach().float().clone()
+    if size > 1:
+        dist.all_reduce(mean, group=group)
+    return mean / size
+
+
+def _fsdp_sync(wrapped: nn.Module, on: bool) -> ContextManager[None]:
+    """FSDP2's switch for the gradient reduction (``set_requires_gradient_sync``)."""
+    setter = getattr(wrapped, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(on)
+    return contextlib.nullcontext()
+
+
+def _grid(grid: Any, need: tuple[str, ...], allowed: tuple[str, ...]) -> GridGroups:
+    names = getattr(grid, "names", None)
+    if not isinstance(grid, GridGroups) or not set(need) <= set(names) \
+            or not set(names) <= set(allowed):
+        raise ValueError(f"grid must be a GridGroups with dims {need} (allowed "
+                         f"{allowed}), not {names!r}")
+    return grid
+
+
+def _mesh(mesh: Any, names: tuple[str, ...]) -> Any:
+    got = getattr(mesh, "mesh_dim_names", None)
+    if got is None or tuple(got) != names:
+        raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names "
+                         f"{names}, not {got!r}")
+    return mesh
+
+
+class TpDp(Parallelism):
+    """Our TP inside our DataParallel on a hand-built ("dp", "tp") grid."""
+
+    def __init__(self, grid: GridGroups) -> None:
+        self.grid = _grid(grid, ("dp", "tp"), ("dp", "tp"))
+        self.dp_group, self.tp_group = grid.groups["dp"], grid.groups["tp"]
+        self.dp_size = grid.sizes[grid.names.index("dp")]
+        self.name = f"dp{self.dp_size}xtp{grid.sizes[grid.names.index('tp')]}"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return tp_inside_dp(model, self.grid)
+
+    def local_batch(self, batch: Batch) -> Batch:
+        return _rows(batch, self.grid.coords["dp"], self.dp_size)
+
+    def full_state(self, wrapped: nn.Module, grads: bool = False
+                   ) -> dict[str, torch.Tensor]:
+        return full_tensors(unwrap(wrapped), group=self.tp_group, grads=grads)
+
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
+        return contextlib.nullcontext() if on else wrapped.no_sync()
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return _mean_over(loss, self.dp_group, self.dp_size)
+
+
 class FsdpTp(Parallelism):
     """FSDP2 across ``mesh["dp"]`` over DTensor tensor parallelism on ``mesh["tp"]``.
 
@@ -69,11 +141,7 @@ class FsdpTp(Parallelism):
     """
 
     def __init__(self, mesh: Any, mp_policy: Any = None) -> None:
-        names = getattr(mesh, "mesh_dim_names", None)
-        if names is None or tuple(names) != ("dp", "tp"):
-            raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names "
-                             f"('dp', 'tp'), not {names!r}")
-        self.mesh, self.mp_policy = mesh, mp_policy
+        self.mesh, self.mp_policy = _mesh(mesh, ("dp", "tp")), mp_policy
         self.dp_group = mesh["dp"].get_group()
         self.dp_size = mesh["dp"].size()
         self.dp_rank = mesh["dp"].get_local_rank()
@@ -90,40 +158,167 @@ class FsdpTp(Parallelism):
         return full_tensors(unwrap(wrapped), grads=grads)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
-        setter = getattr(wrapped, "set_requires_gradient_sync", None)
-        if setter is None:  # pragma: no cover - not an FSDP2 module
-            return contextlib.nullcontext()
-        setter(on)
-        return contextlib.nullcontext()
+        return _fsdp_sync(wrapped, on)
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        mean = full_tensor(loss).detach().float().clone()
-        if self.dp_size > 1:
-            dist.all_reduce(mean, group=self.dp_group)  # tp ranks agree: dp only
-        return mean / self.dp_size
+        return _mean_over(loss, self.dp_group, self.dp_size)  # tp ranks agree
 
 
-def parallelism(layout: str, *, mesh: Any = None, mp_policy: Any = None
+class Hsdp(Parallelism):
+    """FSDP2 on a ("replicate", "shard") mesh: every rank trains on its own rows."""
+
+    def __init__(self, mesh: Any, mp_policy: Any = None) -> None:
+        self.mesh, self.mp_policy = _mesh(mesh, ("replicate", "shard")), mp_policy
+        self.dp_size = mesh.size()  # every rank is a data-parallel rank
+        self.rank = dist.get_rank()
+        self.name = f"hsdp{mesh['replicate'].size()}x{mesh['shard'].size()}"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return hsdp(model, self.mesh, mp_policy=self.mp_policy)
+
+    def local_batch(self, batch: Batch) -> Batch:
+        return _rows(batch, self.rank, self.dp_size)
+
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
+        return _fsdp_sync(wrapped, on)
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return _mean_over(loss, None, self.dp_size)
+
+
+class PpDp(PipelineParallel):
+    """Our pipeline inside our data parallel, on a hand-built grid ("dp", "pp") or
+    ("dp", "pp", "tp"): Megatron layers inside each stage when there is a tp
+    dimension; after the schedule each stage's gradients are averaged over its dp
+    group (skipped inside ``grad_sync(on=False)``: gradient accumulation)."""
+
+    def __init__(self, grid: GridGroups, schedule: str, n_micro: int) -> None:
+        self.grid = _grid(grid, ("dp", "pp"), ("dp", "pp", "tp"))
+        super().__init__(schedule, n_micro, group=grid.groups["pp"])
+        self.dp_group = grid.groups["dp"]
+        self.dp_size = grid.sizes[grid.names.index("dp")]
+        self.tp_group = grid.groups.get("tp")
+        self.name = "x".join(f"{n}{s}" for n, s in zip(grid.names, grid.sizes))
+        self.sync = True
+
+    def prepare(self, model: GPT) -> GPT:
+        if self.tp_group is not None:
+            tensor_parallelize(model, self.tp_group)
+        self.model = model
+        return model
+
+    def stage_state(self, stage: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+        if self.tp_group is None:
+            return super().stage_state(stage, grads)
+        mine = {n for n, _ in stage.named_parameters()}
+        every = full_tensors(self.model, group=self.tp_group, grads=grads)
+        return {n: t for n, t in every.items() if n in mine}
+
+    def local_batch(self, batch: Batch) -> Batch:
+        return _rows(batch, self.grid.coords["dp"], self.dp_size)
+
+    @contextlib.contextmanager
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> Iterator[None]:
+        before, self.sync = self.sync, on
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    def forward_backward(self, wrapped: nn.Module, batch: Batch, loss_fn: Any,
+                         scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
+        loss = super().forward_backward(wrapped, batch, loss_fn, scale, scaler)
+        if self.sync and self.dp_size > 1:
+            average_across_replicas(wrapped, self.grid)
+        return loss
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        if self.tp_group is not None:
+            raise ValueError("max_grad_norm: clipping is not implemented for "
+                             "layout='pp_dp' with a tp dimension (the norm of a "
+                             "split layer needs its tp group)")
+        return super().clip_grad_norm(wrapped, max_norm)
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return _mean_over(loss, self.dp_group, self.dp_size)  # pp, tp ranks agree
+
+
+class FsdpPp(PipelineParallel):
+    """torch's schedule over FSDP2-sharded stages: each stage ``fully_shard``-ed on
+    ``mesh["dp"]`` and wrapped in a ``PipelineStage`` on ``mesh["pp"]`` (as
+    torchtitan composes them); FSDP2 reduce-scatters the stage's gradients after
+    the last micro-batch."""
+
+    def __init__(self, mesh: Any, schedule: str, n_micro: int,
+                 mp_policy: Any = None) -> None:
+        self.mesh, self.mp_policy = _mesh(mesh, ("dp", "pp")), mp_policy
+        super().__init__(schedule, n_micro, variant="torch",
+                         group=mesh["pp"].get_group())
+        self.dp_group = mesh["dp"].get_group()
+        self.dp_size = mesh["dp"].size()
+        self.dp_rank = mesh["dp"].get_local_rank()
+        self.name = f"fsdp{self.dp_size}xpp{mesh['pp'].size()}"
+
+    def wrap_stage(self, stage: nn.Module) -> nn.Module:
+        kwargs = {"mesh": self.mesh["dp"]}
+        if self.mp_policy is not None:
+            kwargs["mp_policy"] = self.mp_policy
+        for block in stage.blocks.values():
+            fully_shard(block, **kwargs)
+        fully_shard(stage, **kwargs)
+        return stage
+
+    def local_batch(self, batch: Batch) -> Batch:
+        return _rows(batch, self.dp_rank, self.dp_size)
+
+    def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
+        return _fsdp_sync(wrapped, on)
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return _mean_over(loss, self.dp_group, self.dp_size)  # pp ranks agree
+
+
+def parallelism(layout: str, *, mesh: Any = None, grid: Any = None,
+                mp_policy: Any = None, schedule: str = "1f1b", n_micro: int = 1
                 ) -> Parallelism:
     """The :class:`~dtlib.models.run.Parallelism` of one Chapter 11 layout.
 
     Args:
-        layout: one of :data:`LAYOUTS`: ``"fsdp_tp"`` (torch's DTensor TP on
-            ``mesh["tp"]`` inside FSDP2 on ``mesh["dp"]``).
-        mesh: ``"fsdp_tp"``: a 2-D ``DeviceMesh`` with ``mesh_dim_names=("dp",
-            "tp")`` (``init_device_mesh(world().device.type, (dp, tp), ...)``).
-        mp_policy: ``"fsdp_tp"``: FSDP2's ``MixedPrecisionPolicy`` or None (fp32).
+        layout: one of :data:`LAYOUTS`: ``"tp_dp"``, ``"pp_dp"`` (ours, on ``grid``),
+            ``"fsdp_tp"``, ``"hsdp"``, ``"fsdp_pp"`` (torch's, on ``mesh``).
+        mesh: a 2-D ``DeviceMesh``
+            (``init_device_mesh(world().device.type, sizes, mesh_dim_names=...)``)
+            with dims ``("dp", "tp")`` (fsdp_tp), ``("replicate", "shard")`` (hsdp)
+            or ``("dp", "pp")`` (fsdp_pp).
+        grid: a :class:`~dtlib.parallel_nd.grid.GridGroups` with dims ``("dp",
+            "tp")`` (tp_dp), ``("dp", "pp")`` or ``("dp", "pp", "tp")`` (pp_dp).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` or None (fp32); the FSDP2
+            layouts only.
+        schedule, n_micro: the pipeline layouts' schedule (``"gpipe"``, ``"1f1b"``)
+            and micro-batches per step (dividing each replica's rows).
     Returns:
         The Parallelism; ``dp_group``/``dp_size`` are the data-parallel dimension,
-        ``local_batch`` cuts this dp rank's rows, ``full_state`` gathers.
+        ``local_batch`` cuts this dp rank's rows, ``full_state`` gathers every
+        parameter (every stage's, every shard) to full size on every rank.
 
     Taught in: Chapter 11, "Two dimensions, ours and torch's".
     """
+    if layout == "tp_dp":
+        return TpDp(grid)
+    if layout == "pp_dp":
+        return PpDp(grid, schedule, n_micro)
+    if layout in ("fsdp_tp", "hsdp", "fsdp_pp") and mesh is None:
+        raise ValueError(f"layout={layout!r} needs mesh= (a 2-D DeviceMesh)")
     if layout == "fsdp_tp":
-        if mesh is None:
-            raise ValueError("layout='fsdp_tp' needs mesh= (a ('dp', 'tp') DeviceMesh)")
         return FsdpTp(mesh, mp_policy)
+    if layout == "hsdp":
+        return Hsdp(mesh, mp_policy)
+    if layout == "fsdp_pp":
+        return FsdpPp(mesh, schedule, n_micro, mp_policy)
     raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")

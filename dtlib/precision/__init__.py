@@ -2,7 +2,8 @@
 
 - :mod:`~dtlib.precision.formats`: fp32/fp16/bf16 bit layouts and what autocast does.
 - :mod:`~dtlib.precision.loss_scaling`: a dynamic loss scaler (GradScaler's algorithm).
-- :mod:`~dtlib.precision.mixed_precision`: fp32 master weights by hand.
+- :mod:`~dtlib.precision.mixed_precision`: fp32 master weights by hand, and
+  ``parallelism(dtype)``: the same as the one loop's Parallelism.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dtlib.precision.formats import (FORMAT_BITS, CUDA_LOW_PRECISION_OPS, CUDA_F
 from dtlib.precision.loss_scaling import (DynamicLossScaler, simulate_scale,
                                           grad_scaler_available)
 from dtlib.precision.mixed_precision import (LOW_DTYPES, MODES, ManualMixedPrecision,
+                                             ManualPrecision, parallelism,
                                              state_bytes_per_param, flushed_fraction)
 
 __all__ = ["FORMAT_BITS", "CUDA_LOW_PRECISION_OPS", "CUDA_FP32_OPS", "torch_dtype",
@@ -22,4 +24,5 @@ __all__ = ["FORMAT_BITS", "CUDA_LOW_PRECISION_OPS", "CUDA_FP32_OPS", "torch_dtyp
            "round_trip", "autocast_op_table", "op_output_dtypes",
            "deprecated_amp_warnings", "DynamicLossScaler", "simulate_scale",
            "grad_scaler_available", "LOW_DTYPES", "MODES", "ManualMixedPrecision",
-           "state_bytes_per_param", "flushed_fraction"]
+           "ManualPrecision", "parallelism", "state_bytes_per_param",
+           "flushed_fraction"]

@@ -15,10 +15,12 @@ import copy
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.precision.loss_scaling import DynamicLossScaler
 from dtlib.models.gpt import GPT, GPTConfig, build_gpt, token_batch
+from dtlib.models.run import Batch, Parallelism, gpt_loss
+from dtlib.precision.loss_scaling import DynamicLossScaler
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 MODES = ("fp32", "autocast", "manual")
@@ -29,7 +31,8 @@ class ManualMixedPrecision:
 
     Args:
         model: the fp32 master model; the optimizer must hold its parameters.
-        optimizer: an optimizer over ``model``'s parameters (its state stays fp32).
+        optimizer: an optimizer over ``model``'s parameters (its state stays fp32),
+            or None when another loop steps it (:func:`parallelism`).
         dtype: ``torch.bfloat16`` or ``torch.float16``.
         scaler: a :class:`DynamicLossScaler` (fp16), or None (bf16, or to show fp16
             losing gradients without one).
@@ -37,7 +40,7 @@ class ManualMixedPrecision:
     Taught in: Chapter 7, "Mixed-precision training".
     """
 
-    def __init__(self, model: GPT, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: GPT, optimizer: torch.optim.Optimizer | None,
                  dtype: torch.dtype = torch.bfloat16,
                  scaler: DynamicLossScaler | None = None) -> None:
         if dtype not in LOW_DTYPES:
@@ -88,6 +91,46 @@ class ManualMixedPrecision:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.item(), stepped
+
+
+class ManualPrecision(Parallelism):
+    """:class:`ManualMixedPrecision` as the one loop's Parallelism: ``apply`` keeps
+    the fp32 master (what the optimizer steps) and makes its 16-bit copy; each
+    ``forward_backward`` copies the weights down, runs in 16 bits and casts the
+    gradients up into the master's ``.grad``."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        if dtype not in LOW_DTYPES:
+            raise ValueError(f"dtype={dtype} must be one of {LOW_DTYPES}")
+        self.dtype = dtype
+        self.name = f"manual-{str(dtype).removeprefix('torch.')}"
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        self.mp = ManualMixedPrecision(model, None, self.dtype)
+        return model
+
+    def forward_backward(self, wrapped: nn.Module, batch: Batch, loss_fn: Any,
+                         scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
+        if loss_fn is not gpt_loss:
+            raise ValueError("loss_fn: the 16-bit copy computes the GPT's own loss "
+                             "(cross-entropy in fp32)")
+        idx, targets = batch
+        self.mp.scaler = scaler  # the loop unscales, steps and updates it
+        return self.mp.backward(idx, targets, loss_weight=scale)
+
+
+def parallelism(dtype: torch.dtype = torch.bfloat16) -> ManualPrecision:
+    """fp32 master weights and a 16-bit working copy, for ``run_steps``.
+
+    Args:
+        dtype: ``torch.bfloat16`` or ``torch.float16`` (pass ``run_steps`` a
+            :class:`DynamicLossScaler` as ``scaler=`` with fp16).
+    Returns:
+        A :class:`ManualPrecision`.
+
+    Taught in: Chapter 7, "Mixed-precision training".
+    """
+    return ManualPrecision(dtype)
 
 
 def state_bytes_per_param(mp: ManualMixedPrecision) -> dict[str, float]:

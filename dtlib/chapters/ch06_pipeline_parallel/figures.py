@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dtlib.pipeline_parallel.schedules import Event, bubble_fraction, in_flight_peak, schedule_order
+from dtlib.pipeline_parallel.schedules import (Event, bubble_fraction, in_flight_peak,
+                                               schedule_order)
 
 __all__ = ["plot_timeline", "plot_schedules", "plot_bubble_vs_microbatches",
            "plot_in_flight", "plot_stage_costs"]
@@ -22,8 +23,9 @@ def plot_timeline(events: Sequence[Event], n_stages: int, ax: Any = None,
     forward (blue) or backward (orange) labelled with its micro-batch; white is idle.
 
     Args:
-        events: from :func:`dtlib.pipeline_parallel.schedules.simulate` or measured by
-            :func:`dtlib.pipeline_parallel.schedules.pipeline_step` (all stages together).
+        events: from :func:`dtlib.pipeline_parallel.schedules.simulate` or measured
+            by :func:`dtlib.pipeline_parallel.schedules.pipeline_step` (all stages
+            together).
         n_stages: rows to draw.
         ax: a matplotlib Axes (default: a new figure).
         title: the figure's finding.

@@ -1,5 +1,9 @@
 """What Chapter 7's page runs: loss-scaler trajectories and short training runs.
 
+Both go through the one loop (:func:`~dtlib.models.run.run_steps`): the loss scaler
+is its ``scaler``, bf16 autocast its ``autocast_dtype``, fp32 master weights by hand
+:func:`dtlib.precision.parallelism`.
+
 Taught in: Chapter 7, "Mixed precision".
 """
 
@@ -10,8 +14,10 @@ from typing import Any
 import torch
 
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.models.run import Parallelism, default_step, run_steps
+from dtlib.precision import parallelism
 from dtlib.precision.loss_scaling import DynamicLossScaler
-from dtlib.precision.mixed_precision import LOW_DTYPES, MODES, ManualMixedPrecision
+from dtlib.precision.mixed_precision import LOW_DTYPES, MODES
 
 __all__ = ["scaler_trajectory", "train_losses"]
 
@@ -42,42 +48,46 @@ def scaler_trajectory(kind: str, steps: int = 8, *, init_scale: float = 2.0 ** 1
     device = torch.device(device)
     cfg = cfg or GPTConfig(n_layers=1, hidden=32, seq_len=16, vocab_size=64)
     model = build_gpt(cfg, seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     kwargs = dict(init_scale=init_scale, growth_factor=2.0, backoff_factor=0.5,
                   growth_interval=growth_interval)
     scaler = (DynamicLossScaler(**kwargs) if kind == "ours"
               else torch.amp.GradScaler(device.type, **kwargs))
-    out: dict[str, Any] = {"scale": [], "skipped": [], "loss": []}
-    for i in range(steps):
-        idx, tgt = token_batch(cfg, batch, seed=seed + 1 + i, device=device)
-        with torch.amp.autocast(device.type, dtype=torch.bfloat16):
-            _, loss = model(idx, tgt)
-        out["scale"].append(float(scaler.get_scale()))
-        scaler.scale(loss).backward()
-        if i in inject_inf_at:
-            next(model.parameters()).grad.view(-1)[0] = float("inf")
-        before = [p.detach().clone() for p in model.parameters()]
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        out["skipped"].append(not moved)
-        out["loss"].append(loss.item())
-    out["params"] = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    out: dict[str, Any] = {"scale": [], "skipped": []}
+    before: list[torch.Tensor] = []
+
+    def step_fn(par: Parallelism, wrapped: Any, batch: Any, loss_fn: Any,
+                scaler: Any = None) -> torch.Tensor:
+        out["scale"].append(float(scaler.get_scale()))  # S used at this step
+        loss = default_step(par, wrapped, batch, loss_fn, scaler=scaler)
+        if len(out["scale"]) - 1 in inject_inf_at:  # an fp16 overflow
+            next(wrapped.parameters()).grad.view(-1)[0] = float("inf")
+        before[:] = [p.detach().clone() for p in wrapped.parameters()]
+        return loss
+
+    def on_step(done: int, loss: float, extra: dict[str, Any]) -> None:
+        out["skipped"].append(all(torch.equal(b, p) for b, p in
+                                  zip(before, model.parameters())))
+
+    res = run_steps(Parallelism(), model,
+                    lambda i: token_batch(cfg, batch, seed=seed + 1 + i,
+                                          device=device), steps,
+                    optimizer_kwargs={"lr": lr}, step_fn=step_fn, scaler=scaler,
+                    autocast_dtype=torch.bfloat16, max_grad_norm=clip,
+                    record_grads=False, on_step=on_step)
+    out["loss"], out["params"] = res.losses, res.params
     return out
 
 
 def train_losses(mode: str, steps: int = 12, *, dtype: torch.dtype = torch.bfloat16,
                  cfg: GPTConfig | None = None, batch: int = 4, lr: float = 1e-2,
                  device: torch.device | str = "cpu", seed: int = 0) -> list[float]:
-    """Train the GPT ``steps`` steps on fixed synthetic batches; return the losses.
+    """Train the GPT ``steps`` AdamW steps on fixed synthetic batches; the losses.
 
     Args:
         mode: ``"fp32"``; ``"autocast"`` (fp32 weights, forward under
-            ``torch.amp.autocast(device.type, dtype)``); ``"manual"``
-            (:class:`ManualMixedPrecision`, with a loss scaler when dtype is fp16).
+            ``torch.autocast(device.type, dtype)``); ``"manual"``
+            (:func:`dtlib.precision.parallelism`: fp32 master weights, a 16-bit
+            copy, with a loss scaler when dtype is fp16).
         dtype: the low-precision dtype of the two mixed modes.
     Returns:
         The loss at each step (fp32 values).
@@ -90,24 +100,16 @@ def train_losses(mode: str, steps: int = 12, *, dtype: torch.dtype = torch.bfloa
         raise ValueError(f"dtype={dtype} must be one of {LOW_DTYPES}")
     device = torch.device(device)
     cfg = cfg or GPTConfig(n_layers=2, hidden=32, seq_len=16, vocab_size=64)
-    model = build_gpt(cfg, seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    scaler = DynamicLossScaler() if dtype == torch.float16 else None
-    manual = (ManualMixedPrecision(model, opt, dtype, scaler) if mode == "manual"
-              else None)
+    manual = mode == "manual"
     # Four batches cycled: the loss falls visibly in a few steps.
     batches = [token_batch(cfg, batch, seed=seed + 1 + i, device=device)
                for i in range(4)]
-    losses = []
-    for i in range(steps):
-        idx, tgt = batches[i % len(batches)]
-        if manual is not None:
-            losses.append(manual.step(idx, tgt)[0])
-            continue
-        with torch.amp.autocast(device.type, dtype=dtype, enabled=mode == "autocast"):
-            _, loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    res = run_steps(parallelism(dtype) if manual else Parallelism(),
+                    build_gpt(cfg, seed).to(device),
+                    lambda i: batches[i % len(batches)], steps,
+                    optimizer_kwargs={"lr": lr},
+                    scaler=DynamicLossScaler() if manual and dtype == torch.float16
+                    else None,
+                    autocast_dtype=dtype if mode == "autocast" else None,
+                    record_grads=False, record_params=False)
+    return res.losses

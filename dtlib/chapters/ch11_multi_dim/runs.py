@@ -1,4 +1,7 @@
-"""Rank functions of Chapter 11: 2-D parallel training next to one process.
+"""Rank functions of Chapter 11: 2-D and 3-D parallel training next to one process.
+
+Every layout is one :func:`dtlib.parallel_nd.parallelism` trained by the one loop
+(:func:`~dtlib.models.run.run_steps`), SGD with momentum, the same global batches:
 
 - :func:`train_2d`: tensor parallel inside, data parallel across, on a dp x tp
   grid: ``"ours"`` (hand-built groups, our TP layers in our DataParallel) or
@@ -6,12 +9,14 @@
 - :func:`train_hsdp`: torch's HSDP on a ("replicate", "shard") mesh;
 - :func:`train_pp_dp`: our pipeline (Chapter 6's 1F1B) inside our data parallel;
   :func:`train_fsdp_pp`: torch's ``Schedule1F1B`` over FSDP2-sharded stages;
+  :func:`train_3d`: dp x pp x tp, ours;
 - :func:`reference`: the same training on one process (the truth);
-- :func:`comm_by_dim`: the first step's collectives, per mesh dimension.
+- :func:`comm_by_dim`: one step's collectives, per mesh dimension.
 
 Every rank function returns the losses, the first step's gradients and the
-parameters after the last step as full CPU tensors, and its first step's
-collectives with the ranks of the group each ran on.
+parameters after the last step as full CPU tensors (every stage's, every shard's),
+and the second step's collectives with the ranks of the group each ran on (the
+first step's end also gathers the gradients for the comparison).
 
 Taught in: Chapter 11.
 """
@@ -22,28 +27,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from dtlib.collectives.accounting import count_comms
-from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-from dtlib.models.reference import reference_gpt_run
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.reference import gpt_batches, reference_gpt_run
+from dtlib.models.run import Parallelism, local_tensor, run_steps
 from dtlib.models.sizes import size
-from dtlib.parallel_nd import (average_across_replicas, build_grid_groups, data_shard,
-                               fsdp_pipeline_stage, fsdp_tp, hsdp, pipeline_stage_of,
-                               tp_inside_dp)
-from dtlib.tensor_parallel.gpt import tensor_parallelize
-from dtlib.pipeline_parallel.schedules import pipeline_step
+from dtlib.parallel_nd import build_grid_groups, parallelism
 from dtlib.runtime import dist as ddist
-from dtlib.tensor_parallel.gpt import full_tensors
 
 TINY = size("tiny")
 PIPELINE = size("pipeline")  # 8 blocks, untied head: cut into 2 or 4 stages
-IMPLS = ("ours", "torch")
+VARIANTS = ("ours", "torch")
+LR = 0.05
+# SGD with momentum: its step is smooth in the gradient, so the same gradients give
+# the same trajectory (AdamW turns float noise in a near-zero gradient into a step
+# of up to lr, whose sign differs between machines).
+MOMENTUM = 0.9
+COMMS_STEP = 1  # the step whose collectives are counted (step 0 gathers gradients)
 
 
 def reference(cfg: GPTConfig = TINY, batch: int = 8, steps: int = 3,
-              lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
-    """One process, the whole batch: what every 2-D run must equal."""
-    return reference_gpt_run(cfg, batch, steps, lr=lr, seed=seed)
+              lr: float = LR, seed: int = 0) -> Any:
+    """One process, the whole batch: what every layout must equal."""
+    return reference_gpt_run(cfg, batch, steps, lr=lr, seed=seed,
+                             optimizer_class=torch.optim.SGD, momentum=MOMENTUM)
 
 
 def _records(log: Any) -> list[dict[str, Any]]:
@@ -51,74 +60,76 @@ def _records(log: Any) -> list[dict[str, Any]]:
             for r in log.records]
 
 
-def _train(model: Any, net: Any, dp_index: int, dp: int, cfg: GPTConfig,
-           batch: int, steps: int, lr: float, functional: bool,
-           tp_group: Any = None) -> dict[str, Any]:
-    """The loop shared by every layout: this replica's rows of each global batch."""
-    device = ddist.world().device
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out: dict[str, Any] = {"losses": []}
-    for step in range(steps):
-        idx, targets = token_batch(cfg, batch, seed=step, device=device)
-        idx, targets = data_shard(idx, dp_index, dp), data_shard(targets, dp_index, dp)
-        with count_comms(functional=functional) as log:
-            loss = model(idx, targets)[1]
-            loss.backward()
-        if step == 0:
-            out["comms"] = _records(log)
-            out["grads"] = full_tensors(net, group=tp_group, grads=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # every replica's loss, each counted tp times
-        out["losses"].append(mean.item() / dist.get_world_size())
-    out["params"] = full_tensors(net, group=tp_group)
-    out["local_numel"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
-                             for p in net.parameters())
-    return out
-
-
-def train_2d(impl: str, dp: int, tp: int, cfg: GPTConfig = TINY, batch: int = 8,
-             steps: int = 3, lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
-    """One rank of tensor-parallel-inside, data-parallel-across training.
+def train(par: Parallelism, cfg: GPTConfig, batch: int, steps: int,
+          lr: float = LR, seed: int = 0, functional: bool = True) -> dict[str, Any]:
+    """One rank of any layout: ``run_steps`` on this rank's part of each batch.
 
     Args:
-        impl: "ours" (a rank grid and our layers) or "torch" (a DeviceMesh, DTensor
-            TP and FSDP2 on the dp dimension).
-        dp, tp: the grid; dp * tp is the world size; tp divides ``cfg.n_heads``.
-        cfg, batch, steps, lr, seed: as :func:`reference` (batch divisible by dp).
+        par: the layout (:func:`dtlib.parallel_nd.parallelism`).
+        cfg, batch, steps, lr, seed: the GPT, the global batch, SGD (momentum 0.9).
+        functional: also count dispatcher-level collectives (DTensor, FSDP2).
     Returns:
         ``losses``, ``grads`` (first step), ``params`` (after the last step), full
-        tensors by name; ``comms``: the first step's collectives; ``groups``:
-        ``{dim: ranks of this rank's group}``; ``local_numel``: parameter
-        elements this rank stores.
+        tensors by name; ``comms``: step :data:`COMMS_STEP`'s collectives;
+        ``local_numel``: parameter elements this rank stores.
 
     Taught in: Chapter 11, "Two dimensions, ours and torch's".
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
-    world = ddist.world()
-    model = build_gpt(cfg, seed).to(world.device)
-    if impl == "ours":
-        grid = build_grid_groups(("dp", "tp"), (dp, tp))
-        wrapped = tp_inside_dp(model, grid)
-        out = _train(wrapped, wrapped.module, grid.coords["dp"], dp, cfg, batch,
-                     steps, lr, functional=False, tp_group=grid.groups["tp"])
-        out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
-        return out
+    if steps <= COMMS_STEP:
+        raise ValueError(f"steps={steps} must be > {COMMS_STEP} (the counted step)")
+    device = ddist.world().device
+    wrapped: nn.Module = par.apply(build_gpt(cfg, seed).to(device))
+    res = run_steps(par, wrapped, gpt_batches(cfg, batch, device), steps,
+                    wrapped=wrapped, optimizer_class=torch.optim.SGD,
+                    optimizer_kwargs={"lr": lr, "momentum": MOMENTUM},
+                    comms=lambda: count_comms(functional=functional),
+                    comms_step=COMMS_STEP)
+    return {"losses": res.losses, "grads": res.grads, "params": res.params,
+            "comms": _records(res.comms),
+            "local_numel": sum(local_tensor(p).numel() for p in wrapped.parameters())}
+
+
+def _mesh(sizes: tuple[int, int], names: tuple[str, str]) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(world.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    fsdp_tp(model, mesh)
-    out = _train(model, model, mesh["dp"].get_local_rank(), dp, cfg, batch, steps,
-                 lr, functional=True)
-    out["groups"] = {d: tuple(dist.get_process_group_ranks(mesh[d].get_group()))
-                     for d in ("dp", "tp")}
+    return init_device_mesh(ddist.world().device.type, sizes, mesh_dim_names=names)
+
+
+def _mesh_groups(mesh: Any) -> dict[str, tuple[int, ...]]:
+    return {d: tuple(dist.get_process_group_ranks(mesh[d].get_group()))
+            for d in mesh.mesh_dim_names}
+
+
+def train_2d(variant: str, dp: int, tp: int, cfg: GPTConfig = TINY, batch: int = 8,
+             steps: int = 3, lr: float = LR, seed: int = 0) -> dict[str, Any]:
+    """One rank of tensor-parallel-inside, data-parallel-across training.
+
+    Args:
+        variant: "ours" (a rank grid and our layers) or "torch" (a DeviceMesh,
+            DTensor TP and FSDP2 on the dp dimension).
+        dp, tp: the grid; dp * tp is the world size; tp divides ``cfg.n_heads``.
+        cfg, batch, steps, lr, seed: as :func:`reference` (batch divisible by dp).
+    Returns:
+        As :func:`train`, and ``groups``: ``{dim: ranks of this rank's group}``.
+
+    Taught in: Chapter 11, "Two dimensions, ours and torch's".
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
+    if variant == "ours":
+        grid = build_grid_groups(("dp", "tp"), (dp, tp))
+        out = train(parallelism("tp_dp", grid=grid), cfg, batch, steps, lr, seed,
+                    functional=False)
+        out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
+        return out
+    mesh = _mesh((dp, tp), ("dp", "tp"))
+    out = train(parallelism("fsdp_tp", mesh=mesh), cfg, batch, steps, lr, seed)
+    out["groups"] = _mesh_groups(mesh)
     return out
 
 
 def train_hsdp(replicate: int, shard: int, cfg: GPTConfig = TINY, batch: int = 8,
-               steps: int = 3, lr: float = 1e-3, seed: int = 0) -> dict[str, Any]:
+               steps: int = 3, lr: float = LR, seed: int = 0) -> dict[str, Any]:
     """One rank of HSDP: FSDP2 on a (replicate, shard) mesh; every rank its own rows.
 
     Returns:
@@ -126,21 +137,14 @@ def train_hsdp(replicate: int, shard: int, cfg: GPTConfig = TINY, batch: int = 8
 
     Taught in: Chapter 11, "HSDP: shard inside, replicate across".
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = ddist.world()
-    mesh = init_device_mesh(world.device.type, (replicate, shard),
-                            mesh_dim_names=("replicate", "shard"))
-    model = hsdp(build_gpt(cfg, seed).to(world.device), mesh)
-    out = _train(model, model, world.rank, world.world_size, cfg, batch, steps, lr,
-                 functional=True)
-    out["groups"] = {d: tuple(dist.get_process_group_ranks(mesh[d].get_group()))
-                     for d in ("replicate", "shard")}
+    mesh = _mesh((replicate, shard), ("replicate", "shard"))
+    out = train(parallelism("hsdp", mesh=mesh), cfg, batch, steps, lr, seed)
+    out["groups"] = _mesh_groups(mesh)
     return out
 
 
 def train_pp_dp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
-                n_microbatches: int = 2, steps: int = 3, lr: float = 1e-3,
+                n_microbatches: int = 2, steps: int = 3, lr: float = LR,
                 seed: int = 0) -> dict[str, Any]:
     """One rank of pipeline-inside, data-parallel-across training (ours).
 
@@ -149,9 +153,7 @@ def train_pp_dp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
     the same stage of the other replicas.
 
     Returns:
-        ``losses``; this stage's ``grads`` (first step) and ``params`` (after the
-        last step) by the full model's names; ``comms`` and ``groups`` as
-        :func:`train_2d`.
+        As :func:`train_2d` (every stage's tensors, gathered over the pp group).
 
     Taught in: Chapter 11, "Pipeline inside, data parallel across".
     """
@@ -159,62 +161,24 @@ def train_pp_dp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
 
 
 def train_fsdp_pp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
-                  n_microbatches: int = 2, steps: int = 3, lr: float = 1e-3,
+                  n_microbatches: int = 2, steps: int = 3, lr: float = LR,
                   seed: int = 0) -> dict[str, Any]:
     """One rank of torch's pipeline over FSDP2 stages (``Schedule1F1B``).
 
     Returns:
-        As :func:`train_pp_dp` (this stage's tensors, gathered from their shards).
+        As :func:`train_pp_dp` (every stage's tensors, gathered from their shards).
 
     Taught in: Chapter 11, "Pipeline inside, data parallel across".
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import Schedule1F1B
-
-    world = ddist.world()
-    mesh = init_device_mesh(world.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    stage, pstage = fsdp_pipeline_stage(build_gpt(cfg, seed).to(world.device), mesh)
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # the mean over micro-batches, as ours (the schedule only sums)
-        return torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), targets.flatten()) / n_microbatches
-
-    schedule = Schedule1F1B(pstage, n_microbatches, loss_fn=loss_fn,
-                            scale_grads=False)
-    opt = torch.optim.AdamW(stage.parameters(), lr=lr)
-    index, last = mesh["pp"].get_local_rank(), pp - 1
-    out: dict[str, Any] = {"losses": [], "groups": {
-        d: tuple(dist.get_process_group_ranks(mesh[d].get_group()))
-        for d in ("dp", "pp")}}
-    for step in range(steps):
-        idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
-        rows = [data_shard(t, mesh["dp"].get_local_rank(), dp) for t in (idx, targets)]
-        losses: list[torch.Tensor] = []
-        with count_comms(functional=True) as log:
-            if index == 0:
-                schedule.step(rows[0])
-            elif index == last:
-                schedule.step(target=rows[1], losses=losses)
-            else:
-                schedule.step()
-        loss = torch.stack(losses).sum().detach() if index == last else \
-            torch.zeros((), device=world.device)
-        if step == 0:
-            out["comms"] = _records(log)
-            out["grads"] = {n: p.grad.full_tensor().cpu()
-                            for n, p in stage.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(loss)  # the last stage of each replica holds its loss
-        out["losses"].append(loss.item() / dp)
-    out["params"] = {n: p.full_tensor().detach().cpu()
-                     for n, p in stage.named_parameters()}
+    mesh = _mesh((dp, pp), ("dp", "pp"))
+    par = parallelism("fsdp_pp", mesh=mesh, schedule="1f1b", n_micro=n_microbatches)
+    out = train(par, cfg, batch, steps, lr, seed)
+    out["groups"] = _mesh_groups(mesh)
     return out
 
 
 def train_3d(dp: int, pp: int, tp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
-             n_microbatches: int = 2, steps: int = 3, lr: float = 1e-3,
+             n_microbatches: int = 2, steps: int = 3, lr: float = LR,
              seed: int = 0) -> dict[str, Any]:
     """One rank of dp x pp x tp training (ours): Megatron layers inside each
     pipeline stage, 1F1B across the stages, gradients averaged across replicas.
@@ -223,48 +187,17 @@ def train_3d(dp: int, pp: int, tp: int, cfg: GPTConfig = PIPELINE, batch: int = 
     parallel first and then cut into stages (a stage shares the model's modules).
 
     Returns:
-        As :func:`train_pp_dp`, with this stage's tensors gathered to full size.
+        As :func:`train_pp_dp`, every stage's tensors gathered to full size.
 
     Taught in: Chapter 11, "Three dimensions".
     """
-    world = ddist.world()
-    grid = build_grid_groups(("dp", "pp", "tp"), (dp, pp, tp))
-    model = build_gpt(cfg, seed).to(world.device)
-    if tp > 1:
-        tensor_parallelize(model, grid.groups["tp"])
-    stage = pipeline_stage_of(model, grid)
-    mine = {n for n, _ in stage.named_parameters()}
-
-    def full(grads: bool) -> dict[str, torch.Tensor]:
-        every = full_tensors(model, group=grid.groups["tp"], grads=grads)
-        return {n: t for n, t in every.items() if n in mine}
-
-    opt = torch.optim.AdamW(stage.parameters(), lr=lr)
-    shape = (batch // dp // n_microbatches, cfg.seq_len, cfg.hidden)
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                                 targets.flatten())
-
-    out: dict[str, Any] = {"losses": [], "groups": {
-        k: tuple(v) for k, v in grid.ranks.items()}}
-    for step in range(steps):
-        idx, targets = token_batch(cfg, batch, seed=step, device=world.device)
-        rows = [data_shard(t, grid.coords["dp"], dp) for t in (idx, targets)]
-        with count_comms(functional=False) as log:
-            res = pipeline_step(stage, *rows, n_microbatches=n_microbatches,
-                                act_shape=shape, loss_fn=loss_fn,
-                                schedule="1f1b", group=grid.groups["pp"])
-            average_across_replicas(stage, grid)
-        if step == 0:
-            out["comms"] = _records(log)
-            out["grads"] = full(grads=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mean = torch.tensor(res.loss, device=world.device)
-        dist.all_reduce(mean)  # every replica's loss, each counted pp * tp times
-        out["losses"].append(mean.item() / world.world_size)
-    out["params"] = full(grads=False)
+    names, sizes = (("dp", "pp", "tp"), (dp, pp, tp)) if tp > 1 else \
+        (("dp", "pp"), (dp, pp))
+    grid = build_grid_groups(names, sizes)
+    par = parallelism("pp_dp", grid=grid, schedule="1f1b", n_micro=n_microbatches)
+    out = train(par, cfg, batch, steps, lr, seed, functional=False)
+    out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
+    out["stage_names"] = par.stage_names[par.rank]
     return out
 
 
