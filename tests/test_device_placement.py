@@ -83,7 +83,7 @@ def book_rank_code() -> dict:
     # The tracer front end (torch.export) refuses to trace under a function mode.
     m = dist.get_world_size()  # torch's 1F1B needs m >= stages
     pp = ch06.compare_all(ch06.PP_GPT, batch=2 * m, n_microbatches=m, steps=1,
-                          impls=("teaching-gpipe", "teaching-1f1b", "torch-gpipe",
+                          variants=("ours-gpipe", "ours-1f1b", "torch-gpipe",
                                  "torch-1f1b"))
     ch06.timeline_rank(ch06.PP_GPT, 2 * m, m, repeats=1)
     bench_coll.time_collectives([4096], list(bench_coll.OPS), budget=0.01)

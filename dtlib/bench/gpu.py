@@ -106,7 +106,7 @@ def pipeline_rank() -> dict[str, Any]:
 
     m = 2 * dist.get_world_size()
     out = compare_all(PP_GPT, batch=2 * m, n_microbatches=m, steps=3,
-                      impls=("teaching-gpipe", "teaching-1f1b", "torch-1f1b"))
+                      variants=("ours-gpipe", "ours-1f1b", "torch-1f1b"))
     out.pop("ref_losses")
     return {k: {d: v[d] for d in ("loss_diff", "grad_diff", "param_diff")}
             for k, v in out.items()}
