@@ -55,14 +55,20 @@ def _model_and_batch(model: str, gpt: dict | None, batch: int, seed: int
 
 def gpt_cross_entropy(net: nn.Module, x: torch.Tensor, y: torch.Tensor
                       ) -> torch.Tensor:
-    """Mean next-token cross-entropy of the GPT's logits (in fp32)."""
+    """Mean next-token cross-entropy of the GPT's logits (in fp32).
+
+    Taught in: Chapter 4 (the loss of its runs).
+    """
     logits = net(x)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                            y.reshape(-1))
 
 
 def mse(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean squared error of the MLP's output (in fp32)."""
+    """Mean squared error of the MLP's output (in fp32).
+
+    Taught in: Chapter 4 (the loss of its odd-sized MLP runs).
+    """
     return F.mse_loss(net(x).float(), y)
 
 

@@ -31,8 +31,18 @@ VARIANTS = ("ours", "fsdp2")
 
 
 def rows_of_rank(batch: Batch, rank: int, world_size: int) -> tuple[Any, ...]:
-    """Rows ``rank * b`` to ``(rank + 1) * b - 1`` of every tensor in ``batch``
-    (``b = rows / world_size``); anything else (a step number) is passed as is."""
+    """This rank's rows of a global batch.
+
+    Args:
+        batch: a tuple of tensors with the same number of rows (and maybe other
+            items, e.g. a step number, passed as they are).
+        rank, world_size: this rank among the data-parallel ranks.
+    Returns:
+        Rows ``rank * b`` to ``(rank + 1) * b - 1`` of every tensor, ``b = rows /
+        world_size``.
+
+    Taught in: Chapter 3, "Equal to one process" (each rank its slice); Chapter 4.
+    """
     out = []
     for t in batch:
         if torch.is_tensor(t):

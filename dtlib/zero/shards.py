@@ -41,6 +41,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int
 
     Adds the storages it counts to ``seen``, so that one call per role (parameters,
     gradients, optimizer state) counts a shared buffer once.
+
+    Taught in: Chapter 4, "Memory, measured".
     """
     total = 0
     for t in tensors:

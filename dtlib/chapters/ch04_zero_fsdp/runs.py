@@ -41,7 +41,16 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
 
 
 def optimizer_of(optimizer: str, lr: float) -> tuple[type, dict[str, Any]]:
-    """``(optimizer_class, kwargs)`` of :data:`OPTIMIZERS` ``[optimizer]`` at ``lr``."""
+    """The optimizer class and its keyword arguments, by name.
+
+    Args:
+        optimizer: a key of :data:`OPTIMIZERS` (``"adamw"`` or ``"sgd"``).
+        lr: the learning rate.
+    Returns:
+        ``(optimizer_class, kwargs)`` with ``kwargs["lr"] == lr``.
+
+    Taught in: Chapter 4, "Does it train the same model?".
+    """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} not allowed; allowed: "
                          f"{sorted(OPTIMIZERS)}")
@@ -54,6 +63,9 @@ class StateAfterStep:
 
     After the step and before ``zero_grad`` the gradients are still held: the
     moment the ZeRO paper's formula describes (FSDP2 frees them at ``zero_grad``).
+    ``state`` holds ``measure()``'s result once the ``steps``-th step is done.
+
+    Taught in: Chapter 4, "Memory, measured".
     """
 
     def __init__(self, optimizer: Any, measure: Callable[[], dict[str, int]],
