@@ -33,7 +33,7 @@ from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinea
                                           full_linear, tp_rank, tp_size)
 
 __all__ = ["TINY", "VARIANTS", "reference_training", "drop_f", "train_tp",
-           "count_first_step", "mlp_pair_comms", "init_scale",
+           "count_first_step", "tp_runs", "mlp_pair_both", "mlp_pair_comms", "init_scale",
            "reference_linear_pair", "ColumnParallelLinearWithoutF"]
 
 VARIANTS = ("ours", "dtensor")
@@ -145,6 +145,35 @@ def train_tp(cfg: GPTConfig, variant: str, batch: int, steps: int, lr: float = 1
     result.extra.update(counts=parallel_param_count(model), comms=comms,
                         local=_replicated(model))
     return result
+
+
+def tp_runs(cfg: GPTConfig, batch: int, steps: int, **optimizer: Any
+            ) -> dict[str, RunResult]:
+    """One rank, one launch: :func:`train_tp` ours, DTensor's and ours without f.
+
+    Args:
+        cfg, batch, steps: as :func:`train_tp`.
+        optimizer: ``lr``, ``optimizer_class`` and its keyword arguments.
+    Returns:
+        ``{"ours": ..., "dtensor": ..., "no_f": ...}`` (the last without counting).
+
+    Taught in: Chapter 5, "Equal to one process" and "Leaving out f (ERRATA 17)".
+    """
+    return {"ours": train_tp(cfg, "ours", batch, steps, **optimizer),
+            "dtensor": train_tp(cfg, "dtensor", batch, steps, **optimizer),
+            "no_f": train_tp(cfg, "ours", batch, steps, with_f=False, count=False,
+                             **optimizer)}
+
+
+def mlp_pair_both(hidden: int, batch: int) -> dict[bool, dict[str, Any]]:
+    """One rank, one launch: :func:`mlp_pair_comms` without and with the gather.
+
+    Returns:
+        ``{False: Megatron's pairing, True: the seed's all-gather between}``.
+
+    Taught in: Chapter 5, "An all-gather that is not needed (ERRATA 18)".
+    """
+    return {g: mlp_pair_comms(hidden, batch, g) for g in (False, True)}
 
 
 def mlp_pair_comms(hidden: int, batch: int, gather_between: bool) -> dict[str, Any]:

@@ -7,7 +7,8 @@
 - :func:`sp_block_run` / :func:`block_reference`: one transformer block, tensor
   parallel (Chapter 5) or sequence parallel, vs one process; communication and
   activation bytes per rank;
-- :func:`train_cp`: the whole GPT trained with context parallelism (the one loop).
+- :func:`train_cp`: the whole GPT trained with context parallelism (the one loop);
+  :func:`probe_and_train_cp` launches it with the probe.
 
 Taught in: Chapter 12, long sequences.
 """
@@ -229,6 +230,21 @@ def train_cp(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
                      gpt_batches(cfg, batch, device), steps,
                      optimizer_class=optimizer_class,
                      optimizer_kwargs={"lr": lr, **optimizer_kwargs})
+
+
+def probe_and_train_cp(cfg: GPTConfig, batch: int, steps: int, **optimizer: Any
+                       ) -> dict[str, Any]:
+    """One rank, one launch: :func:`torch_cp_probe`, then :func:`train_cp`.
+
+    Args:
+        cfg, batch, steps, optimizer: as :func:`train_cp` (``lr``,
+            ``optimizer_class`` and its keyword arguments).
+    Returns:
+        ``{"probe": torch_cp_probe(), "cp": train_cp(...)}``.
+
+    Taught in: Chapter 12, "Context parallelism".
+    """
+    return {"probe": torch_cp_probe(), "cp": train_cp(cfg, batch, steps, **optimizer)}
 
 
 def tp_and_sp_block(cfg: GPTConfig, batch: int, seed: int = 0) -> dict[str, Any]:
