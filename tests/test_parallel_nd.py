@@ -20,12 +20,15 @@ import torch.distributed as dist
 from dtlib.chapters.ch11_multi_dim.runs import (LR, PIPELINE, TINY, all_layouts,
                                                comm_by_dim, reference, train,
                                                train_3d)
-from dtlib.models.gpt import GPTConfig
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.reference import gpt_batches
+from dtlib.models.run import Parallelism, run_steps
 from dtlib.parallel_nd import (build_grid_groups, data_shard, lines_along,
                                parallelism, rank_grid)
 from dtlib.parallel_nd.layouts import PpDp, TpDp
 from dtlib.pipeline_parallel import PipelineParallel
 from dtlib.runtime import launch
+from dtlib.runtime.dist import world
 
 BATCH, STEPS = 8, 3
 FP32 = 4  # bytes per element
@@ -131,11 +134,39 @@ def defects() -> dict:
     return {"forgets_average": forgets, "same_rows": same}
 
 
+MAX_NORM = 0.5  # below the gradient norms of these runs: clipping acts every step
+
+
+def clipped_run(par, cfg: GPTConfig) -> dict:
+    """``run_steps`` with gradient clipping (one process when ``par`` is the
+    identity): the global norm over every stage and shard."""
+    device = world().device
+    res = run_steps(par, build_gpt(cfg, 0).to(device), gpt_batches(cfg, BATCH, device),
+                    STEPS, optimizer_class=torch.optim.SGD,
+                    optimizer_kwargs={"lr": LR, "momentum": 0.9},
+                    max_grad_norm=MAX_NORM)
+    return {"losses": res.losses, "grads": res.grads, "params": res.params,
+            "norms": res.extra["grad_norms"]}
+
+
+def clipped() -> dict:
+    """On 4 ranks: FSDP2 x TP (DTensors on two meshes) and our pipeline inside our
+    data parallel (a norm summed over the stages), both clipped."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(world().device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    grid = build_grid_groups(("dp", "pp"), (2, 2))
+    return {"fsdp_tp": clipped_run(parallelism("fsdp_tp", mesh=mesh), TINY),
+            "pp_dp": clipped_run(parallelism("pp_dp", grid=grid, n_micro=2),
+                                 PIPELINE)}
+
+
 def all_runs(dp: int, inner: int) -> dict:
-    """On every rank: every 2-D layout; on 4 ranks the defects too."""
+    """On every rank: every 2-D layout; on 4 ranks the defects and clipping too."""
     out = {"layouts": all_layouts(dp, inner, TINY, BATCH, STEPS)}
     if dist.get_world_size() == 4:
         out["defects"] = defects()
+        out["clipped"] = clipped()
     return out
 
 
@@ -223,6 +254,21 @@ def test_tolerances_catch_planted_defects(truth, launched):
                     f"forgets rank {rank}")
         with pytest.raises(AssertionError):
             compare(d["same_rows"], truth["gpt"], TINY, 2, f"same rows rank {rank}")
+
+
+def test_clipping_uses_the_global_norm(launched):
+    """The norm is taken over every shard and stage: equal to one process's, so the
+    clipped trajectories are equal too (the norm is a sum of squares of the
+    gradients: the gradient bound, relative)."""
+    refs = {"fsdp_tp": clipped_run(Parallelism(), TINY),
+            "pp_dp": clipped_run(Parallelism(), PIPELINE)}
+    for rank, r in enumerate(launched(2, 2)):
+        for layout, out in r["clipped"].items():
+            ref, cfg = refs[layout], TINY if layout == "fsdp_tp" else PIPELINE
+            assert min(ref["norms"]) > MAX_NORM  # clipping acted at every step
+            torch.testing.assert_close(out["norms"], ref["norms"], atol=0,
+                                       rtol=bounds(cfg, 2)["grad"])
+            compare(out, ref, cfg, 2, f"clipped {layout} rank {rank}")
 
 
 def test_3d_dp_pp_tp_on_8_ranks(truth):
