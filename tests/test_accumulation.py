@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from fp32_tolerance import U32, assert_all_scaled, max_abs, momentum_gain, reorder_rel
+from fp32_tolerance import assert_all_scaled, reorder_rel, sgd_param_scale
 from dtlib.accumulation import (EpochStats, accumulate_gradients, accumulation_step,
                                 count_tokens, make_grad_scaler, micro_batch_groups,
                                 token_loss_sum, train_epoch)
@@ -61,8 +61,7 @@ def positions(groups: list) -> int:
 
 
 def param_bound(rel: float, ref: RunResult) -> float:
-    return (2 * LR * momentum_gain(STEPS, MOMENTUM) * rel * max_abs(ref.grads)
-            + STEPS * U32 * max_abs(ref.params))
+    return sgd_param_scale(rel, ref.grads, ref.params, LR, STEPS, MOMENTUM)
 
 
 def max_diff(got: dict, want: dict) -> float:

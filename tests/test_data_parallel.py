@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fp32_tolerance import (U32, assert_all_scaled, max_abs, momentum_gain,
-                            reorder_rel)
+from fp32_tolerance import assert_all_scaled, reorder_rel, sgd_param_scale
 from dtlib.chapters.ch03_data_parallel.runs import (TINY, reference_training,
                                                     train_variants)
 from dtlib.collectives.accounting import count_comms
@@ -73,8 +72,8 @@ def loss_rel(world_size: int) -> float:
 
 def param_bound(world_size: int, ref: RunResult) -> float:
     """The largest parameter difference rounding can make (see the module docstring)."""
-    return (2 * LR * momentum_gain(STEPS, MOMENTUM) * grad_rel(world_size)
-            * max_abs(ref.grads) + STEPS * U32 * max_abs(ref.params))
+    return sgd_param_scale(grad_rel(world_size), ref.grads, ref.params, LR, STEPS,
+                           MOMENTUM)
 
 
 def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

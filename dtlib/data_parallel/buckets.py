@@ -1,20 +1,21 @@
 """Gradient buckets: the three ways a data-parallel step can average gradients.
 
-Data parallelism keeps one replica of the model per rank; after backward, every rank must
-hold the same gradient, the mean over ranks. This module holds the two building blocks of
-:class:`dtlib.data_parallel.DataParallel` that do not need autograd hooks:
+Data parallelism keeps one replica of the model per rank; after backward, every rank
+must hold the same gradient, the mean over ranks. This module holds the two building
+blocks of :class:`dtlib.data_parallel.DataParallel` that do not need autograd hooks:
 
 - :func:`allreduce_grads`, the naive way: one all-reduce per parameter tensor;
 - :func:`build_buckets` and :class:`Bucket`: gradients flattened into a few large
   buffers, one all-reduce each (fewer, larger messages: the latency term of the
   alpha-beta cost model is paid once per bucket, not once per tensor).
 
-A parameter that received no gradient on this rank contributes zeros. It gets the average
-afterwards unless that average is all zeros, in which case it keeps ``grad = None`` as in
-one process (a parameter nobody used must not be decayed by AdamW). Limitation: a
-parameter used elsewhere whose gradient is exactly zero there would then stay ``None`` on
-this rank only; torch DDP avoids that with ``find_unused_parameters=True``, which pays an
-extra all-reduce of a "used" bitmap every step.
+A parameter that received no gradient on this rank contributes zeros. It gets the
+average afterwards unless that average is all zeros, in which case it keeps ``grad =
+None`` as in one process (a parameter nobody used must not be decayed by AdamW).
+Limitation: a parameter used elsewhere whose gradient is exactly zero there would then
+stay ``None`` on this rank only; torch DDP avoids that with
+``find_unused_parameters=True``, which pays an extra all-reduce of a "used" bitmap every
+step.
 
 Taught in: Chapter 3, "Three DDPs, one on another".
 """
@@ -88,7 +89,7 @@ class Bucket:
         return self.numel * self.params[0].element_size()
 
     def flatten(self) -> torch.Tensor:
-        """Copy the gradients (zeros where missing) into one flat buffer ``(numel,)``."""
+        """Copy the gradients (zeros where missing) into one flat buffer."""
         p0 = self.params[0]
         if self.buffer is None:
             self.buffer = torch.empty(self.numel, dtype=p0.dtype, device=p0.device)
@@ -109,7 +110,7 @@ class Bucket:
         return self.work
 
     def unflatten(self, world_size: int) -> None:
-        """Divide the summed buffer by ``world_size`` and copy slices back to ``.grad``."""
+        """Divide the summed buffer by ``world_size``; copy slices back to ``.grad``."""
         assert self.buffer is not None, "unflatten() before launch()"
         self.buffer.div_(world_size)
         offset = 0
@@ -131,7 +132,8 @@ def build_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0
     bucket of its own; a change of dtype starts a new bucket (one buffer, one dtype).
 
     Args:
-        params: parameters in module order (``module.parameters()``: a tied weight once).
+        params: parameters in module order (``module.parameters()``: a tied weight
+            once).
         bucket_cap_mb: the size cap in MiB (torch DDP's default is 25).
     Returns:
         The buckets, in launch order.
@@ -148,7 +150,8 @@ def build_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0
     for p in reversed(list(params)):
         nbytes = p.numel() * p.element_size()
         if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype):
-            buckets.append(Bucket(len(buckets), current, sum(q.numel() for q in current)))
+            buckets.append(Bucket(len(buckets), current,
+                                  sum(q.numel() for q in current)))
             current, size = [], 0
         current.append(p)
         size += nbytes

@@ -15,7 +15,8 @@ def plot_timeline(events: Sequence[tuple[str, int, float]], title: str | None = 
     """Backward (gradients becoming ready) and bucket all-reduces on one time axis.
 
     Args:
-        events: ``(name, index, seconds)`` from :func:`dtlib.chapters.ch03_data_parallel.runs.record_timeline`
+        events: ``(name, index, seconds)`` from
+            :func:`dtlib.chapters.ch03_data_parallel.runs.record_timeline`
             (names: forward_start/end, grad, launch, done, backward_end, synced).
     Returns:
         The matplotlib Figure.
@@ -38,17 +39,18 @@ def plot_timeline(events: Sequence[tuple[str, int, float]], title: str | None = 
             label="a gradient is ready")
     for i, start in sorted(launches.items()):
         end = dones.get(i, synced)
-        # Buckets in flight at the same time: three lanes so bars do not hide each other.
+        # Buckets in flight at the same time: three lanes, so no bar hides another.
         ax.barh(1.25 - 0.25 * (i % 3), (end - start) * ms, left=start * ms, height=0.22,
                 color=f"C{2 + i % 6}", edgecolor="k",
-                label="a bucket's all-reduce (launch to completion)" if i == 0 else None)
+                label=("a bucket's all-reduce (launch to completion)" if i == 0
+                       else None))
     ax.axvline(synced * ms, color="k", ls="--", lw=1, label="backward() returns")
     ax.set_yticks([1, 2], ["all-reduces", "compute"])
     ax.set_xlabel("time since forward started (ms)")
     early = sum(1 for i in launches if dones.get(i, synced) <= bwd1)
     started = sum(1 for t in launches.values() if t <= bwd1)
-    ax.set_title(title or f"{started} of {len(launches)} bucket all-reduces start during "
-                 f"backward; {early} finish before it ends", fontsize=10)
+    ax.set_title(title or f"{started} of {len(launches)} bucket all-reduces start "
+                 f"during backward; {early} finish before it ends", fontsize=10)
     # Legend under the axes: the figure keeps the page width and 9 pt text.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=9)
     fig.subplots_adjust(left=0.14, right=0.97, top=0.9, bottom=0.38)
