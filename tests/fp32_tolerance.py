@@ -83,3 +83,7 @@ def sgd_param_scale(rel: float, grads: Mapping[str, torch.Tensor],
     """
     return (2 * lr * momentum_gain(steps, momentum) * rel * max_abs(grads)
             + steps * U32 * max_abs(params))
+
+
+#: float64 unit roundoff.
+U64 = 2.0 ** -53

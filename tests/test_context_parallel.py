@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fp32_tolerance import (assert_all_scaled, assert_scaled, reorder_rel,
-                            sgd_param_scale)
+from fp32_tolerance import (U32, U64, assert_all_scaled, assert_scaled,
+                            reorder_rel, sgd_param_scale)
 from dtlib.chapters.ch12_long_sequences.runs import (attention_checks,
                                                      attention_inputs,
                                                      attention_reference, train_cp)
-from dtlib.context_parallel import ContextParallel, cp_shard, cp_volume, ring_attention
+from dtlib.context_parallel import (ContextParallel, cp_shard, cp_unshard, cp_volume,
+                                    ring_attention)
 from dtlib.context_parallel.ring_attention import block_backward, block_forward, merge
 from dtlib.context_parallel.sharding import (causal_pairs_per_rank, positions,
                                              shard_for, unshard_from)
@@ -49,6 +50,7 @@ from dtlib.runtime import launch
 B, A, S, D = 2, 4, 16, 8  # batch, heads, full sequence, head dim
 SHAPE = (B, A, S, D)
 ATTN_REL = reorder_rel(S + D, 6, S)
+ATTN_REL64 = ATTN_REL * U64 / U32  # the same sums, float64's unit roundoff (~6e-14)
 CFG, BATCH, STEPS, LR, MOMENTUM = size("tiny"), 2, 3, 0.05, 0.9
 SGD = dict(optimizer_class=torch.optim.SGD, momentum=MOMENTUM)
 GPT_REL = reorder_rel(4 * CFG.hidden, 8, BATCH * CFG.seq_len)
@@ -146,6 +148,37 @@ def test_block_math_simulated_ring(cp: int, causal: bool) -> None:
         assert_scaled(unshard_from(shards, 2), ref[name], ATTN_REL, name)
 
 
+def _float64_ring() -> dict[str, torch.Tensor]:
+    """Ring attention on float64 chunks, forward and backward, unsharded on CPU."""
+    device = ddist.world().device
+    q, k, v, dout = (cp_shard(t.double().to(device), 2) for t in _qkv_dout())
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, causal=True)
+    out.backward(dout)
+    return {name: cp_unshard(t, 2).cpu() for name, t in
+            (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+
+
+def _float64_reference() -> dict[str, torch.Tensor]:
+    q, k, v, dout = (t.double() for t in _qkv_dout())
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(dout)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _assert_float64(got: dict[str, torch.Tensor], msg: str) -> None:
+    ref = _float64_reference()
+    for name in ("out", "dq", "dk", "dv"):
+        assert got[name].dtype == torch.float64, f"{msg} {name}: {got[name].dtype}"
+        assert_scaled(got[name], ref[name], ATTN_REL64, f"{msg} {name}")
+
+
+def test_float64_ring_attention_is_float64_accurate_on_one_process() -> None:
+    """Accumulating in float32 would miss the float64 bound by ~1e9 (2**29)."""
+    _assert_float64(_float64_ring(), "cp=1")
+
+
 def test_single_process_ring_attention_is_plain_attention() -> None:
     q, k, v, dout = _qkv_dout()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -174,6 +207,7 @@ def _suite() -> dict:
     no_mean = run_steps(SumNotMean(), build_gpt(CFG, 0).to(device),
                         gpt_batches(CFG, BATCH, device), 1, record_params=False)
     return {"attention": {c: attention_checks(c, SHAPE) for c in (True, False)},
+            "float64": _float64_ring(),
             "gpt": train_cp(CFG, BATCH, STEPS, lr=LR, **SGD), "no_mean": no_mean}
 
 
@@ -195,6 +229,11 @@ def test_ring_attention_equals_full_attention(ranks: list[dict], causal: bool) -
         assert r["fwd_bytes"] == r["fwd_recv"] == vol.ring_forward
         assert r["bwd_bytes"] == vol.ring_backward
         assert r["bad"] is not None and "x has" in r["bad"]
+
+
+def test_float64_ring_attention_is_float64_accurate(ranks: list[dict]) -> None:
+    for rank, res in enumerate(ranks):
+        _assert_float64(res["float64"], f"cp={len(ranks)} r{rank}")
 
 
 def test_a_wrong_mask_fails_the_attention_proof(ranks: list[dict]) -> None:

@@ -19,6 +19,10 @@ the saved ``lse`` (no s x s matrix is kept), each rank adds its queries' share t
 dK/dV of the block it holds, and the dK/dV accumulators travel with the block, so
 after ``cp`` hops every block's gradient is back on its owner.
 
+Scores, softmax statistics, the running output and the gradient accumulators are
+kept in ``torch.promote_types(float32, input dtype)``: float32 for 16-bit inputs (as
+FlashAttention does), the input's own precision for float32 and float64.
+
 Taught in: Chapter 12, "Context parallelism".
 """
 
@@ -33,10 +37,24 @@ import torch.distributed as dist
 from dtlib.context_parallel.sharding import cp_world, positions
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ring attention accumulates in for inputs of ``dtype``.
+
+    Args:
+        dtype: the dtype of q, k and v.
+    Returns:
+        ``torch.promote_types(torch.float32, dtype)``: float32 for 16-bit inputs,
+        never narrower than the input (float64 stays float64).
+
+    Taught in: Chapter 12, "Context parallelism".
+    """
+    return torch.promote_types(torch.float32, dtype)
+
+
 def _masked_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor | None,
                    k_pos: torch.Tensor | None, scale: float) -> torch.Tensor:
-    # (b, a, n_q, d) @ (b, a, d, n_k) -> (b, a, n_q, n_k), in float32 for the softmax
-    s = (q @ k.transpose(-2, -1)).float() * scale
+    # (b, a, n_q, d) @ (b, a, d, n_k) -> (b, a, n_q, n_k), at least float32 for softmax
+    s = (q @ k.transpose(-2, -1)).to(accumulation_dtype(q.dtype)) * scale
     if q_pos is not None:
         # causal by global position: works for any chunk layout, load-balanced or not
         allowed = q_pos[:, None] >= k_pos[None, :]  # (n_q, n_k)
@@ -60,15 +78,16 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``None`` for no mask.
         scale: the score scale, ``1 / sqrt(d)``.
     Returns:
-        ``(o_b, lse_b)``: ``(b, a, n_q, d)`` float32 (zero for fully masked rows) and
-        ``(b, a, n_q)`` float32 (``-inf`` for fully masked rows).
+        ``(o_b, lse_b)``: ``(b, a, n_q, d)`` (zero for fully masked rows) and
+        ``(b, a, n_q)`` (``-inf`` for fully masked rows), both in
+        :func:`accumulation_dtype`.
 
     Taught in: Chapter 12, "Context parallelism".
     """
     s = _masked_scores(q, k, q_pos, k_pos, scale)
     lse = torch.logsumexp(s, dim=-1)  # (b, a, n_q)
     p = torch.exp(s - _finite(lse)[..., None])  # masked entries: exp(-inf) = 0
-    return (p.to(v.dtype) @ v).float(), lse
+    return (p.to(v.dtype) @ v).to(s.dtype), lse
 
 
 def merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor,
@@ -105,17 +124,18 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lse: the final log-sum-exp of the query rows ``(b, a, n_q)``.
         delta: ``rowsum(dout * out)`` ``(b, a, n_q)``.
     Returns:
-        ``(dq, dk, dv)`` in float32: this block's contributions.
+        ``(dq, dk, dv)`` in :func:`accumulation_dtype`: this block's contributions.
 
     Taught in: Chapter 12, "Context parallelism".
     """
     s = _masked_scores(q, k, q_pos, k_pos, scale)
     p = torch.exp(s - _finite(lse)[..., None])  # (b, a, n_q, n_k)
-    dout = dout.float()
+    acc = s.dtype
+    dout = dout.to(acc)
     dv = p.transpose(-2, -1) @ dout
-    ds = p * (dout @ v.float().transpose(-2, -1) - delta[..., None])
-    dq = (ds @ k.float()) * scale
-    dk = (ds.transpose(-2, -1) @ q.float()) * scale
+    ds = p * (dout @ v.to(acc).transpose(-2, -1) - delta[..., None])
+    dq = (ds @ k.to(acc)) * scale
+    dk = (ds.transpose(-2, -1) @ q.to(acc)) * scale
     return dq, dk, dv
 
 
@@ -177,9 +197,9 @@ class RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.size(-1))
         n = q.size(-2)
         q_pos = positions(n, rank, cp, q.device) if causal else None
-        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32,
-                         device=q.device)
+        acc = accumulation_dtype(q.dtype)
+        o = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # (2, b, a, n, d): one message per hop
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
@@ -203,10 +223,11 @@ class RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.size(-1))
         n = q.size(-2)
         q_pos = positions(n, rank, cp, q.device) if ctx.causal else None
-        delta = (dout.float() * out.float()).sum(-1)  # (b, a, n)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (b, a, n)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for step in range(cp):
             if step < cp - 1:
                 nxt, works = ring_exchange(kv, ctx.group, rank, cp)

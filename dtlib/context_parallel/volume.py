@@ -47,7 +47,9 @@ def cp_volume(batch: int, seq_len: int, hidden: int, cp: int, *, n_heads: int,
         n_kv_heads: key/value heads (grouped-query attention); default ``n_heads``.
         element_size: bytes per element of q, k, v and the output.
         grad_element_size: bytes per element of the dK/dV accumulators the ring sends
-            in backward (float32 in :mod:`dtlib.context_parallel.ring_attention`).
+            in backward (``ring_attention`` accumulates in
+            ``promote_types(float32, input dtype)``: 4 up to float32 inputs, 8 for
+            float64).
     Returns:
         A :class:`CPVolume`; the ring numbers are exactly what
         ``ring_attention`` sends (checked against measured bytes in the tests).
