@@ -126,6 +126,31 @@ def test_mixed_precision_close_to_fp32():
         train_losses("fp8")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_precision_parallelism_is_the_manual_recipe(dtype):
+    """run_steps with precision.parallelism runs ManualMixedPrecision's step: the same
+    ops in the same order, so bitwise the same (tolerance 0), fp16 with a scaler."""
+    from dtlib.models.gpt import token_batch
+    from dtlib.models.run import run_steps
+
+    cfg = GPTConfig(n_layers=1, hidden=16, seq_len=8, vocab_size=16)
+    batches = [token_batch(cfg, 2, seed=i) for i in range(3)]
+    scaler = (lambda: DynamicLossScaler()) if dtype == torch.float16 else \
+        (lambda: None)
+    res = run_steps(P.parallelism(dtype), build_gpt(cfg, 0), batches.__getitem__, 3,
+                    optimizer_class=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                    scaler=scaler())
+    model = build_gpt(cfg, 0)
+    mp = ManualMixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              dtype, scaler())
+    losses = [mp.step(*b)[0] for b in batches]
+    assert res.losses == losses
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(res.params[name], p.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="dtype"):
+        P.parallelism(torch.float32)
+
+
 def test_state_bytes_per_param_is_16():
     model = build_gpt(GPTConfig(n_layers=1, hidden=16, seq_len=8, vocab_size=16))
     opt = torch.optim.Adam(model.parameters())
