@@ -125,12 +125,12 @@ def train_run(total_steps: int, ckpt_dir: str | None = None, *,
     # from the global torch RNG would shift dropout after a resume.
     loader = DataLoader(data, batch_size=batch, sampler=sampler,
                         generator=torch.Generator().manual_seed(seed))
-    pos = {"step": 0, "epoch": 0, "it": None}  # where the data stands
+    start_step, pos = 0, {"epoch": 0, "it": None}  # where the data stands
     t_load = None
     if resume and (path := latest_checkpoint(ckpt_dir)) is not None:
         t_load = time.perf_counter()
         meta = load_checkpoint(path, model, opt, sched, sampler, restore=restore)
-        pos["step"], pos["epoch"] = meta["step"], meta["epoch"]
+        start_step, pos["epoch"] = meta["step"], meta["epoch"]
         if replay:  # the seed's way: rewind the epoch, load and discard what was used
             consumed = sampler.position
             sampler.set_epoch(sampler.epoch)
@@ -139,7 +139,6 @@ def train_run(total_steps: int, ckpt_dir: str | None = None, *,
             for _ in range(-(-consumed // batch)):
                 next(pos["it"])
             set_rng_state(generators)
-    start_step = pos["step"]
     pos["it"] = iter(loader) if pos["it"] is None else pos["it"]
 
     def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
