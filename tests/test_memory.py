@@ -150,7 +150,7 @@ def test_training_config_validation():
 
 
 def test_estimate_splits_and_fits():
-    base = dict(n_layers=96, hidden=12288, n_heads=96, vocab=51200, seq_len=2048)
+    base = dict(n_layers=96, hidden=12288, n_heads=96, vocab_size=51200, seq_len=2048)
     e1 = estimate(TrainingConfig(**base))
     assert e1.model_states == 16 * transformer_params(96, 12288, 51200, 2048)
     e8 = estimate(TrainingConfig(**base, tp=8, pp=8))

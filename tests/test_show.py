@@ -7,26 +7,26 @@ import inspect
 import pytest
 
 from dtlib.chapters.show import show
-from dtlib.tensor_parallel.mappings import CopyToParallelRegion
-from dtlib.zero.stage3 import install_stage3_hooks
+from dtlib.collectives.algorithms import ring_all_reduce
+from dtlib.collectives.comm_log import CommLog
 
 
 def test_show_reads_the_installed_source() -> None:
-    listing = show(install_stage3_hooks, CopyToParallelRegion)
+    listing = show(ring_all_reduce, CommLog)
     text = repr(listing)
-    assert inspect.getsource(install_stage3_hooks).strip() in text
-    assert "dtlib/zero/stage3.py, lines" in text
+    assert inspect.getsource(ring_all_reduce).strip() in text
+    assert "dtlib/collectives/algorithms.py, lines" in text
     html = listing._repr_html_()
     assert html.count('class="dtlib-source"') == 2
-    assert 'data-qualname="CopyToParallelRegion"' in html
+    assert 'data-qualname="CommLog"' in html
 
 
 def test_show_a_line_range_and_bad_input() -> None:
-    first, start = inspect.getsourcelines(install_stage3_hooks)
-    part = show(install_stage3_hooks, lines=(1, 2)).sources[0]
+    first, start = inspect.getsourcelines(ring_all_reduce)
+    part = show(ring_all_reduce, lines=(1, 2)).sources[0]
     assert part.first == start and part.code.splitlines()[0].startswith("def ")
     with pytest.raises(ValueError, match="lines="):
-        show(install_stage3_hooks, lines=(0, 999))
+        show(ring_all_reduce, lines=(0, 999))
     with pytest.raises(ValueError, match="no source"):
         show(len)
     with pytest.raises(ValueError, match="at least one"):
@@ -34,10 +34,11 @@ def test_show_a_line_range_and_bad_input() -> None:
 
 
 def test_show_by_markers_fails_loudly_when_the_text_is_gone() -> None:
-    part = show(install_stage3_hooks, start="for unit in", stop="gather_flat").sources[0]
-    assert part.code.splitlines()[0].strip().startswith("for unit in")
-    assert "gather_flat" in part.code.splitlines()[-1]
+    part = show(ring_all_reduce, start="flat = tensor",
+                stop="_ring_all_gather_").sources[0]
+    assert part.code.splitlines()[0].strip().startswith("flat = tensor")
+    assert "_ring_all_gather_" in part.code.splitlines()[-1]
     with pytest.raises(ValueError, match="start="):
-        show(install_stage3_hooks, start="no such line")
+        show(ring_all_reduce, start="no such line")
     with pytest.raises(ValueError, match="stop="):
-        show(install_stage3_hooks, start="for unit in", stop="no such line")
+        show(ring_all_reduce, start="flat = tensor", stop="no such line")

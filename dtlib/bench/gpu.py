@@ -248,7 +248,7 @@ def check_memory(n: int, timeout: float) -> tuple[bool, str]:
     torch.cuda.synchronize(device)
     stats = memory_stats(device)
     plan = estimate(TrainingConfig(cfg.n_layers, cfg.hidden, cfg.n_heads,
-                                   vocab=cfg.vocab_size, seq_len=cfg.seq_len,
+                                   vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                                    micro_batch=batch, precision="fp32",
                                    n_params=n_params))
     states = stats.current_bytes / plan.model_states  # params + grads + Adam now

@@ -1,8 +1,8 @@
 """Show the code a page runs, read from the source at run time (never pasted).
 
 ``show(fn)`` in a cell displays the source of ``fn`` with its file and line numbers:
-highlighted HTML in the built book and in JupyterLab, plain text when printed. Because it
-reads the installed source, the page and the code can never drift apart.
+highlighted HTML in the built book and in JupyterLab, plain text when printed.
+Because it reads the installed source, the page and the code can never drift apart.
 
 Used by: every chapter, next to the proof that runs the code.
 """
@@ -103,7 +103,7 @@ def _marked_range(src: list[str], start: str | None, stop: str | None,
 
 
 def source_of(obj: Any, lines: tuple[int, int] | None = None) -> Source:
-    """The :class:`Source` of ``obj``; ``lines=(a, b)`` keeps its lines a..b (1-based)."""
+    """The :class:`Source` of ``obj``; ``lines=(a, b)`` keeps lines a..b (1-based)."""
     return Source(obj, lines)
 
 

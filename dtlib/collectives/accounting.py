@@ -55,8 +55,12 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from dtlib.collectives.accounting_dispatch import make_mode
-from dtlib.collectives.comm_log import (_ACTIVE, _LOCK, OPS, CommLog, CommRecord,
-                                        _counted, _depth, _first_tensor, _numel, record)
+from dtlib.collectives.comm_log import (ACTIVE_LOGS, LOCK, OPS, CommLog, CommRecord,
+                                        counted, depth, first_tensor, numel_of, record)
+
+# The records' types and the ops are re-exported: a reader who counts imports from here.
+__all__ = ["OPS", "CommLog", "CommRecord", "count_comms", "ddp_comm_hook_accounting",
+           "record"]
 
 
 # ---- shared state: active logs, patch depth, the per-thread "already counted" flag
@@ -109,7 +113,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _depth() > 0 or not _ACTIVE:
+        if depth() > 0 or not ACTIVE_LOGS:
             return fn(*args, **kwargs)
         try:
             bound = sig.bind(*args, **kwargs).arguments
@@ -117,11 +121,11 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)  # let torch raise its own error
         msg = bound.get(arg)
         group_size = _group_size(bound.get("group"))
-        numel = _numel(msg) * (group_size if times_group else 1)
-        first = _first_tensor(msg)
+        numel = numel_of(msg) * (group_size if times_group else 1)
+        first = first_tensor(msg)
         record(op, numel, first.element_size() if first is not None else 0,
                group_size, "torch.distributed", _group_ranks(bound.get("group")))
-        with _counted():
+        with counted():
             return fn(*args, **kwargs)
 
     wrapper.__dtlib_accounting__ = True  # type: ignore[attr-defined]
@@ -166,10 +170,10 @@ def count_comms(functional: bool = True) -> Iterator[CommLog]:
     Taught in: Chapter 2, "Counting communication".
     """
     log = CommLog()
-    with _LOCK:
-        if not _ACTIVE:
+    with LOCK:
+        if not ACTIVE_LOGS:
             _install()
-        _ACTIVE.append(log)
+        ACTIVE_LOGS.append(log)
     if functional:
 
         mode = make_mode()
@@ -182,9 +186,9 @@ def count_comms(functional: bool = True) -> Iterator[CommLog]:
         else:
             yield log
     finally:
-        with _LOCK:
-            _ACTIVE.remove(log)
-            if not _ACTIVE:
+        with LOCK:
+            ACTIVE_LOGS.remove(log)
+            if not ACTIVE_LOGS:
                 _uninstall()
 
 
@@ -220,10 +224,10 @@ def ddp_comm_hook_accounting(ddp_model: Any, process_group: Any = None) -> None:
     # ``from __future__ import annotations`` would not be dist.GradBucket).
     def hook(state, bucket):  # noqa: ANN001, ANN202
         buf = bucket.buffer()
-        if _ACTIVE:
+        if ACTIVE_LOGS:
             record("all_reduce", buf.numel(), buf.element_size(), _group_size(state),
                    "ddp_hook")
-        with _counted():  # the default hook calls dist.all_reduce: do not count twice
+        with counted():  # the default hook calls dist.all_reduce: do not count twice
             return default_hooks.allreduce_hook(state, bucket)
 
     ddp_model.register_comm_hook(group, hook)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dtlib.collectives.comm_log import _counted, _depth, _first_tensor, _numel, active, record
+from dtlib.collectives.comm_log import (active, counted, depth, first_tensor, numel_of,
+                                        record)
 
 _FUNCTIONAL_OPS = {
     "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
@@ -93,7 +94,7 @@ def _dispatch_record(func: Any, args: tuple, kwargs: dict) -> None:
                      "_c10d_functional_autograd") and name in _FUNCTIONAL_OPS:
         op = _FUNCTIONAL_OPS[name]
         group_size = _functional_group_size(args, kwargs)
-        numel = _numel(args[0])
+        numel = numel_of(args[0])
         if op == "all_gather" and group_size > 0:
             numel *= group_size  # the input is one shard; the message is the output
         source = "functional"
@@ -102,13 +103,13 @@ def _dispatch_record(func: Any, args: tuple, kwargs: dict) -> None:
         group_size = _c10d_group_size(args)
         # all_gather: the outputs come first; reduce_scatter: the inputs come second.
         msg = args[1] if op == "reduce_scatter" and len(args) > 1 else args[0]
-        numel = _numel(msg) if op != "barrier" else 0
+        numel = numel_of(msg) if op != "barrier" else 0
         if op in ("gather", "scatter") and group_size > 0:
-            numel = _numel(args[1] if op == "gather" else args[0]) * group_size
+            numel = numel_of(args[1] if op == "gather" else args[0]) * group_size
         source = "c10d"
     else:
         return
-    first = _first_tensor(args[0])
+    first = first_tensor(args[0])
     record(op, numel, first.element_size() if first is not None else 0, group_size,
            source, _group_ranks(args, kwargs))
 
@@ -130,9 +131,9 @@ def make_mode() -> Any:
             if DTensor and any(t is DTensor or (isinstance(t, type) and
                                                 issubclass(t, DTensor)) for t in types):
                 return NotImplemented  # let DTensor run; its collectives come back here
-            if _depth() == 0 and active():
+            if depth() == 0 and active():
                 _dispatch_record(func, args, kwargs)
-            with _counted():
+            with counted():
                 return func(*args, **kwargs)
 
     return _CollectiveMode()

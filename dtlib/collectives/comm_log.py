@@ -16,7 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["OPS", "CommRecord", "CommLog", "record", "active"]
+__all__ = ["OPS", "CommRecord", "CommLog", "LOCK", "ACTIVE_LOGS", "record", "active",
+           "depth", "counted", "numel_of", "first_tensor"]
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather",
@@ -73,23 +74,32 @@ class CommLog:
                 for op in ops]
 
 
-_LOCK = threading.RLock()
+# What both interception mechanisms share: the logs being written (guarded by LOCK)
+# and, per thread, how deep inside a recorded call the thread is.
+LOCK = threading.RLock()
+"""Guards :data:`ACTIVE_LOGS` (count_comms blocks may start on several threads)."""
 
-
-_ACTIVE: list[CommLog] = []
-
+ACTIVE_LOGS: list[CommLog] = []
+"""The logs of the :func:`~dtlib.collectives.accounting.count_comms` blocks now open."""
 
 _TLS = threading.local()
 
 
-def _depth() -> int:
+def depth() -> int:
+    """How many recorded calls this thread is inside (0: a call here is counted).
+
+    Taught in: Chapter 2, counting communication.
+    """
     return getattr(_TLS, "depth", 0)
 
 
 @contextmanager
-def _counted() -> Iterator[None]:
-    """Mark this thread as inside a recorded call: nested collectives not counted."""
-    _TLS.depth = _depth() + 1
+def counted() -> Iterator[None]:
+    """Mark this thread as inside a recorded call: nested collectives not counted.
+
+    Taught in: Chapter 2, counting communication.
+    """
+    _TLS.depth = depth() + 1
     try:
         yield
     finally:
@@ -107,30 +117,48 @@ def record(op: str, numel: int, element_size: int, group_size: int,
         raise ValueError(f"op={op!r} is not a collective; allowed: {OPS}")
     rec = CommRecord(op, int(numel), int(numel) * int(element_size), int(group_size),
                      source, tuple(int(r) for r in ranks))
-    with _LOCK:
-        for log in _ACTIVE:
+    with LOCK:
+        for log in ACTIVE_LOGS:
             log.records.append(rec)
 
 
-def _numel(x: Any) -> int:
+def numel_of(x: Any) -> int:
+    """Elements of a tensor, or of every tensor in a (nested) list or tuple.
+
+    Args:
+        x: a collective's message argument.
+    Returns:
+        The element count (0 for anything that holds no tensor).
+
+    Taught in: Chapter 2, counting communication.
+    """
     if isinstance(x, torch.Tensor):
         return x.numel()
     if isinstance(x, (list, tuple)):
-        return sum(_numel(t) for t in x)
+        return sum(numel_of(t) for t in x)
     return 0
 
 
-def _first_tensor(x: Any) -> torch.Tensor | None:
+def first_tensor(x: Any) -> torch.Tensor | None:
+    """The first tensor of a (nested) list or tuple, or ``x`` itself if a tensor.
+
+    Args:
+        x: a collective's message argument.
+    Returns:
+        That tensor (its element size prices the message), or None.
+
+    Taught in: Chapter 2, counting communication.
+    """
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, (list, tuple)):
         for t in x:
-            found = _first_tensor(t)
+            found = first_tensor(t)
             if found is not None:
                 return found
     return None
 
 
 def active() -> bool:
-    """True while at least one :func:`~dtlib.collectives.accounting.count_comms` runs."""
-    return bool(_ACTIVE)
+    """True while a :func:`~dtlib.collectives.accounting.count_comms` block is open."""
+    return bool(ACTIVE_LOGS)

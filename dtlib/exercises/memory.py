@@ -6,8 +6,8 @@ from dtlib.exercises import WrongAnswer, check_close, checker, passed
 from dtlib.memory.formulas import GB, TrainingConfig, estimate, model_state_bytes
 
 # The model of the third exercise: a 13B-class GPT trained on 64 data-parallel GPUs.
-FIT_MODEL = dict(n_layers=40, hidden=5120, n_heads=40, vocab=50257, seq_len=2048,
-                 micro_batch=1, dp=64)
+FIT_MODEL = dict(n_layers=40, hidden=5120, n_heads=40, vocab_size=50257,
+                 seq_len=2048, micro_batch=1, dp=64)
 STAGES = (0, 1, 2, 3)
 RECOMPUTES = ("none", "selective", "full")
 

@@ -1,4 +1,4 @@
-"""Chapter 1: how many bytes a training run needs, from the papers' formulas and measured.
+"""Chapter 1: the bytes a training run needs, from the papers' formulas and measured.
 
 - :mod:`~dtlib.memory.formulas`: model states (ZeRO Table 1), parameter counts
   (Megatron), activations (Korthikanti et al. 2022), the whole estimate.

@@ -175,7 +175,8 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, n_heads: int,
     return math.ceil(per_layer * n)
 
 
-def transformer_params(n_layers: int, hidden: int, vocab: int, seq_len: int) -> int:
+def transformer_params(n_layers: int, hidden: int, vocab_size: int,
+                       seq_len: int) -> int:
     """Parameters of a GPT: 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)).
 
     Narayanan et al. 2021, Eq. 2: per layer 12h^2 weights + 13h biases and norm
@@ -183,14 +184,14 @@ def transformer_params(n_layers: int, hidden: int, vocab: int, seq_len: int) -> 
     head tied to the token embedding. The final layer norm (2h) is not counted.
 
     Args:
-        n_layers (l), hidden (h), vocab (V), seq_len (s): positive integers.
+        n_layers (l), hidden (h), vocab_size (V), seq_len (s): positive integers.
     Returns:
         The parameter count (exact integer: 12lh^2 + 13lh + (V + s)h).
 
     Taught in: Chapter 1, how big is the model.
     """
     l, h, v, s = (_check_int(k, x) for k, x in (
-        ("n_layers", n_layers), ("hidden", hidden), ("vocab", vocab),
+        ("n_layers", n_layers), ("hidden", hidden), ("vocab_size", vocab_size),
         ("seq_len", seq_len)))
     return 12 * l * h * h + 13 * l * h + (v + s) * h
 
@@ -199,7 +200,13 @@ def transformer_params(n_layers: int, hidden: int, vocab: int, seq_len: int) -> 
 class TrainingConfig:
     """A training configuration to estimate per-device memory for.
 
-    n_layers, hidden, n_heads, vocab, seq_len: the GPT's shape (l, h, a, V, s).
+    The memory layer's config (Chapter 1): a model's shape as the papers write it
+    plus how it is split and trained. The other layers have their own: the model
+    that runs is ``dtlib.models.GPTConfig``, the capstone's run
+    ``dtlib.train.config.TrainConfig``, the planner's model ``dtlib.planner.ModelSpec``;
+    all four name the vocabulary ``vocab_size``.
+
+    n_layers, hidden, n_heads, vocab_size, seq_len: the GPT's shape (l, h, a, V, s).
     micro_batch: sequences per micro-batch on one data-parallel rank (b).
     dp, tp, pp: data-, tensor- and pipeline-parallel degrees.
     zero_stage: ZeRO stage 0-3 over the dp ranks.
@@ -213,7 +220,7 @@ class TrainingConfig:
     n_layers: int
     hidden: int
     n_heads: int
-    vocab: int = 51200
+    vocab_size: int = 51200
     seq_len: int = 2048
     micro_batch: int = 1
     dp: int = 1
@@ -227,7 +234,7 @@ class TrainingConfig:
     n_params: int | None = field(default=None)
 
     def __post_init__(self) -> None:
-        for name in ("n_layers", "hidden", "n_heads", "vocab", "seq_len",
+        for name in ("n_layers", "hidden", "n_heads", "vocab_size", "seq_len",
                      "micro_batch", "dp", "tp", "pp"):
             _check_int(name, getattr(self, name))
         if self.hidden % self.n_heads:
@@ -253,7 +260,8 @@ class TrainingConfig:
         """The model's parameter count."""
         if self.n_params is not None:
             return int(self.n_params)
-        return transformer_params(self.n_layers, self.hidden, self.vocab, self.seq_len)
+        return transformer_params(self.n_layers, self.hidden, self.vocab_size,
+                                  self.seq_len)
 
 
 @dataclass(frozen=True)

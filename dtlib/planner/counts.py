@@ -30,17 +30,17 @@ from dtlib.planner.specs import RECOMPUTE, ModelSpec
 
 
 def megatron_eq3(global_batch: int, seq_len: int, n_layers: int, hidden: int,
-                 vocab: int) -> int:
+                 vocab_size: int) -> int:
     """Narayanan et al. 2021, Eq. 3: FLOPs per iteration with full recomputation.
 
     Args:
-        global_batch (B), seq_len (s), n_layers (l), hidden (h), vocab (V).
+        global_batch (B), seq_len (s), n_layers (l), hidden (h), vocab_size (V).
     Returns:
         ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` as an exact integer.
 
     Taught in: Chapter 11, FLOPs per iteration.
     """
-    b, s, l, h, v = global_batch, seq_len, n_layers, hidden, vocab
+    b, s, l, h, v = global_batch, seq_len, n_layers, hidden, vocab_size
     return 96 * b * s * l * h * h + 16 * b * s * s * l * h + 6 * b * s * h * v
 
 

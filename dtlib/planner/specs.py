@@ -30,6 +30,10 @@ def _positive_float(name: str, value: object) -> None:
 class ModelSpec:
     """A decoder-only transformer: GPT (Narayanan et al. 2021) or Llama-style.
 
+    The planner's model (Chapter 11): the shape of a published run, counted but never
+    built (the model that runs is ``dtlib.models.GPTConfig``, Chapter 1's memory
+    estimate takes ``dtlib.memory.TrainingConfig``); ``vocab_size`` as in both.
+
     n_layers: transformer layers (l).
     hidden: model width (h).
     n_heads: query heads (a); divides ``hidden``.

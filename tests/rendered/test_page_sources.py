@@ -238,11 +238,12 @@ def _notebook(*cells: str) -> dict:
 SYNTHETIC = _notebook(
     "%load_ext dtlib\nfrom dtlib.runtime import launch\n"
     "from dtlib.runtime import dist as ddist\n"
-    "from dtlib.chapters.ch05_tensor_parallel.runs import train_tp\n"
+    "from dtlib.chapters.ch02_collectives.runs import training_step_comms\n"
     "from dtlib.chapters.show import show",
     "%%torchrun -n 2\nlaunch.spawn(not_resolved, 2)",
     "def mine():\n    return 1\n\nlaunch.spawn(mine, 2)",
-    "out = launch.spawn(train_tp, 4, stream=False)\nvalues = launch.spawn(ddist.world_info, 2)",
+    "out = launch.spawn(training_step_comms, 4, stream=False)\n"
+    "values = launch.spawn(ddist.world_info, 2)",
     'launch.torchrun("dtlib.train", "--steps", "2", module=True, nproc=2)',
     "!echo shell escapes and bad syntax are ignored\nif :",
 )
@@ -259,34 +260,34 @@ def test_targets_are_resolved_through_imports() -> None:
     targets, unresolved = launch_targets(SYNTHETIC)
     assert unresolved == []
     assert {t.name for t in targets} == {
-        "dtlib.chapters.ch05_tensor_parallel.runs.train_tp",
+        "dtlib.chapters.ch02_collectives.runs.training_step_comms",
         "dtlib.runtime.dist.world_info", "dtlib.train"}
 
 
 def test_check_fails_when_a_show_cell_is_missing() -> None:
-    from dtlib.chapters.ch05_tensor_parallel.runs import train_tp
+    from dtlib.chapters.ch02_collectives.runs import training_step_comms
     from dtlib.runtime.dist import world_info
-    from dtlib.train.loop import prepare_model
+    from dtlib.train.config import parse_args
 
-    complete = _page(train_tp, world_info, prepare_model)
+    complete = _page(training_step_comms, world_info, parse_args)
     assert missing_sources(SYNTHETIC, complete) == []
-    without_tp = missing_sources(SYNTHETIC, _page(world_info, prepare_model))
-    assert without_tp == ["cell 3 launches dtlib.chapters.ch05_tensor_parallel.runs."
-                          "train_tp: no show() of it on the page"]
-    without_train = missing_sources(SYNTHETIC, _page(train_tp, world_info))
+    without_comms = missing_sources(SYNTHETIC, _page(world_info, parse_args))
+    assert without_comms == ["cell 3 launches dtlib.chapters.ch02_collectives.runs."
+                          "training_step_comms: no show() of it on the page"]
+    without_train = missing_sources(SYNTHETIC, _page(training_step_comms, world_info))
     assert without_train == ["cell 4 launches dtlib.train: no show() of it on the page"]
     assert len(missing_sources(SYNTHETIC, _page())) == 3
 
 
 def test_same_name_in_another_module_does_not_count() -> None:
-    from dtlib.chapters.ch05_tensor_parallel.runs import train_tp
+    from dtlib.chapters.ch02_collectives.runs import training_step_comms
     from dtlib.runtime.dist import world_info
-    from dtlib.train.loop import prepare_model
+    from dtlib.train.config import parse_args
 
     # the right qualname, shown from another module
-    page = _page(world_info, prepare_model).replace(
+    page = _page(world_info, parse_args).replace(
         "dtlib.runtime.dist.world_info", "dtlib.runtime.launch.world_info")
-    page += _page(train_tp)
+    page += _page(training_step_comms)
     assert missing_sources(SYNTHETIC, page) == [
         "cell 3 launches dtlib.runtime.dist.world_info: no show() of it on the page"]
 
@@ -313,7 +314,7 @@ def test_real_chapters_launch_what_the_check_expects() -> None:
         assert not unresolved, f"{path.name}: {unresolved}"
         launched[path.stem] = {t.name for t in targets}
     by_name = {name[:2]: names for name, names in launched.items()}
-    assert "dtlib.chapters.ch05_tensor_parallel.runs.train_tp" in by_name["05"]
+    assert "dtlib.chapters.ch02_collectives.runs.training_step_comms" in by_name["02"]
     assert "dtlib.runtime.dist.world_info" in by_name["00"]
     assert "dtlib.train" in by_name["10"]
     assert sum(len(v) for v in launched.values()) >= 15

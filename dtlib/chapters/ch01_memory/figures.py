@@ -20,7 +20,7 @@ from dtlib.memory.formulas import GB, TrainingConfig, estimate
 # GPT-3 sizes from Brown et al. 2020, Table 2.1 (V = 50257, s = 2048). The table
 # prints n_heads = 24 for XL and d_model = 5140 for 13B, inconsistent with its
 # d_head = 128; we use 16 heads and 5120 so that heads x d_head = d_model.
-_GPT3 = dict(vocab=50257, seq_len=2048)
+_GPT3 = dict(vocab_size=50257, seq_len=2048)
 PRESETS: dict[str, dict] = {
     "GPT-3 Small (125M)": dict(n_layers=12, hidden=768, n_heads=12, **_GPT3),
     "GPT-3 Medium (350M)": dict(n_layers=24, hidden=1024, n_heads=16, **_GPT3),
@@ -32,12 +32,15 @@ PRESETS: dict[str, dict] = {
     "GPT-3 175B": dict(n_layers=96, hidden=12288, n_heads=96, **_GPT3),
     # Open models: published parameter counts; their activations are estimated with
     # the GPT formula (4h MLP, one K/V per head): an approximation for SwiGLU / GQA.
-    "Llama-2 7B (approx.)": dict(n_layers=32, hidden=4096, n_heads=32, vocab=32000,
-                                 seq_len=4096, n_params=6_738_415_616),
-    "Llama-2 13B (approx.)": dict(n_layers=40, hidden=5120, n_heads=40, vocab=32000,
-                                  seq_len=4096, n_params=13_015_864_320),
-    "Llama-2 70B (approx.)": dict(n_layers=80, hidden=8192, n_heads=64, vocab=32000,
-                                  seq_len=4096, n_params=68_976_648_192),
+    "Llama-2 7B (approx.)": dict(n_layers=32, hidden=4096, n_heads=32,
+                                 vocab_size=32000, seq_len=4096,
+                                 n_params=6_738_415_616),
+    "Llama-2 13B (approx.)": dict(n_layers=40, hidden=5120, n_heads=40,
+                                  vocab_size=32000, seq_len=4096,
+                                  n_params=13_015_864_320),
+    "Llama-2 70B (approx.)": dict(n_layers=80, hidden=8192, n_heads=64,
+                                  vocab_size=32000, seq_len=4096,
+                                  n_params=68_976_648_192),
 }
 _PARTS = (("params", "#4C72B0"), ("grads", "#55A868"), ("optimizer", "#C44E52"),
           ("activations", "#8172B2"))

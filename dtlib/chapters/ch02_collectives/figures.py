@@ -2,8 +2,8 @@
 step by step, and bus bandwidth against message size.
 
 The rank functions that produce the states live in
-:mod:`dtlib.chapters.ch02_collectives.runs`; these draw them in the notebook. matplotlib is
-imported only inside the plotting functions.
+:mod:`dtlib.chapters.ch02_collectives.runs`; these draw them in the notebook.
+matplotlib is imported only inside the plotting functions.
 
 Taught in: Chapter 2.
 """
