@@ -83,7 +83,16 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
 
 
 def reference(gpt: dict, batch: int, steps: int) -> Any:
-    """The single process on the whole batch, with the chapter's optimizer."""
+    """The single process on the whole batch, with the chapter's optimizer.
+
+    Args:
+        gpt: the GPT's fields (:data:`PP_GPT`); batch, steps: as the pipelines'.
+    Returns:
+        ``reference_gpt_run``'s :class:`~dtlib.models.run.RunResult` (the one loop
+        with no parallelism; step ``k`` on ``token_batch(cfg, batch, seed=k)``).
+
+    Taught in: Chapter 6, "Is it the same training?".
+    """
     opt = dict(OPTIMIZER)
     return reference_gpt_run(GPTConfig(**gpt), batch, steps,
                              optimizer_class=opt.pop("optimizer_class"), **opt)

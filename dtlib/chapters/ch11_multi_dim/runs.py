@@ -50,7 +50,14 @@ COMMS_STEP = 1  # the step whose collectives are counted (step 0 gathers gradien
 
 def reference(cfg: GPTConfig = TINY, batch: int = 8, steps: int = 3,
               lr: float = LR, seed: int = 0) -> Any:
-    """One process, the whole batch: what every layout must equal."""
+    """One process, the whole batch: what every layout must equal.
+
+    Returns:
+        ``reference_gpt_run``'s :class:`~dtlib.models.run.RunResult` (SGD with
+        momentum :data:`MOMENTUM` at ``lr``).
+
+    Taught in: Chapter 11, "Two dimensions, ours and torch's".
+    """
     return reference_gpt_run(cfg, batch, steps, lr=lr, seed=seed,
                              optimizer_class=torch.optim.SGD, momentum=MOMENTUM)
 
