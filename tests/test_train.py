@@ -40,6 +40,7 @@ from dtlib.train.config import STRATEGY_NAMES, TrainConfig, parse_args
 from dtlib.train.job import DoesNotFit, check_memory, lr_lambda, prepare_model
 from dtlib.train.loop import main, train
 from dtlib.train.strategies import STRATEGIES
+from fp32_tolerance import U32
 
 STEPS = 8
 BASE = ["--steps", str(STEPS), "--save-every", "3", "--log-every", "4",
@@ -58,8 +59,10 @@ SGD = ["--optimizer", "sgd", "--lr", "0.05", "--grad-clip", "0"]
 # (the loss is a sum of positive terms: its condition number is 1). SGD with momentum
 # at lr 0.05 is a smooth step (no normalisation amplifying tiny gradients), so over k
 # steps the differences add up linearly: rtol(k) = k x 256 u (1.2e-4 at step 8).
+# (We take them to add up, not to compound: a smooth step moves the next gradient by
+# lr x curvature x the parameter difference, and lr x curvature is small here.)
 # A real defect moves the losses by percent (test_a_missing_x_n_fails_the_comparison).
-U = 2.0 ** -24
+U = U32  # float32's unit roundoff, 2**-24 (tests/fp32_tolerance.py)
 TERMS = max(4 * TrainConfig().hidden, 4 * TrainConfig().seq_len)
 
 
