@@ -7,7 +7,8 @@ rate. It can save, stop (the "crash": every object is dropped), and resume from 
 newest checkpoint restoring all or only some of the state, skipping the consumed batches
 arithmetically or by replaying the loader. It trains through the one loop,
 :func:`dtlib.models.run.run_steps` (saving and the "crash" ride on its ``on_step``);
-run under :func:`dtlib.runtime.launch.spawn` it trains with DDP. The chapter compares final parameters with ``torch.equal``.
+run under :func:`dtlib.runtime.launch.spawn` it trains with DDP. The chapter compares
+final parameters with ``torch.equal``.
 
 Also here: the seed tutorial's defects 36 and 39 as small reproductions.
 
