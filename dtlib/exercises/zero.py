@@ -159,8 +159,9 @@ def _zero2_on_rank(hook: Callable[[torch.nn.Parameter], None]) -> dict[str, Any]
         p.register_post_accumulate_grad_hook(hook)
     x, y = _zero2_batch(dist.get_rank())
     # count_comms names each collective once, whichever spelling the hook used
-    # (reduce_scatter_single, or reduce_scatter_tensor which calls it on torch 2.13)
-    with count_comms() as log:
+    # (reduce_scatter_single, or reduce_scatter_tensor which calls it on torch 2.13);
+    # torch.distributed's functions only, as a hook calls them (no dispatch mode)
+    with count_comms(functional=False) as log:
         torch.nn.functional.mse_loss(model(x), y).backward()
     return {"shards": [getattr(p, "grad_shard", None) for p in model.parameters()],
             "grads_freed": [p.grad is None for p in model.parameters()],
