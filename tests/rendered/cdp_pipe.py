@@ -37,7 +37,6 @@ FLAGS = [
     "--no-default-browser-check",
     "--mute-audio",
     "--hide-scrollbars",
-    "--allow-file-access-from-files",
     "--host-resolver-rules=MAP * ~NOTFOUND",
     "--proxy-server=http://127.0.0.1:9",
     "--remote-debugging-pipe",
@@ -50,6 +49,45 @@ EAGER_IMAGES_JS = """
   await Promise.all(imgs.map(i => i.complete ? null :
       new Promise(r => { i.addEventListener("load", r); i.addEventListener("error", r); })));
   return imgs.length;
+})()
+"""
+
+# Sticky and fixed boxes (the header, the sidebars, "back to top") would be painted
+# into every viewport tile: pin them where a one-piece capture shows them (sticky in
+# its place in the flow, fixed at the top of the page); no smooth scrolling.
+PIN_JS = """
+(() => {
+  for (const e of document.querySelectorAll("*")) {
+    const pos = getComputedStyle(e).position;
+    if (pos === "sticky") {
+      e.style.setProperty("position", "relative", "important");
+      e.style.setProperty("top", "auto", "important");
+      e.style.setProperty("bottom", "auto", "important");
+    } else if (pos === "fixed") {
+      e.style.setProperty("position", "absolute", "important");
+    }
+  }
+  document.documentElement.style.setProperty("scroll-behavior", "auto", "important");
+  return true;
+})()
+"""
+
+# Scroll, then wait two animation frames: the next capture shows the new position.
+SCROLL_JS = """
+(async () => {
+  window.scrollTo({top: %(y)d, left: 0, behavior: "instant"});
+  await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  return window.scrollY;
+})()
+"""
+
+# The text column's left and right edge in CSS pixels.
+ARTICLE_JS = """
+(() => {
+  const e = document.querySelector("main article") || document.querySelector("main")
+            || document.body;
+  const r = e.getBoundingClientRect();
+  return [Math.max(0, r.left), Math.min(window.innerWidth, r.right)];
 })()
 """
 
@@ -68,6 +106,70 @@ def find_chromium() -> str | None:
     return None
 
 
+# Two captures of the same rows, rasterised at two scroll offsets, agree except where an
+# antialiased edge is cut by the viewport (a border's coverage is recomputed against the
+# clip): there a pixel moves by a fraction of the edge's contrast against the background
+# (measured: 1 level in the text, 8 on a code cell's grey border cut at the viewport's
+# top). A row that shows other content (a band pasted twice, a gap) moves a glyph stroke
+# between ink and paper, by well over 100 of 255 levels. A pixel differs when it moves
+# by more than an eighth of the scale.
+RASTER_LEVELS = 32
+
+
+def rows_differing(page: Any, row: int, part: Any,
+                   columns: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """First and last row of ``page`` (from ``row`` on) that differ from ``part``.
+
+    Args:
+        page: the stitched image.
+        row: the row of ``page`` where ``part`` (a capture of the page) begins.
+        part: an image as wide as ``page``.
+        columns: the pixel columns ``[left, right)`` compared (default: all).
+
+    Returns:
+        ``(first, last)`` rows of ``page`` that differ by more than RASTER_LEVELS in
+        some channel, or None when all agree.
+    """
+    from PIL import ImageChops
+
+    left, right = columns or (0, part.width)
+    rows = min(part.height, page.height - row)
+    here = page.crop((left, row, right, row + rows))
+    diff = ImageChops.difference(here, part.crop((left, 0, right, rows)))
+    box = diff.point(lambda v: 255 if v > RASTER_LEVELS else 0).getbbox()
+    return None if box is None else (row + box[1], row + box[3] - 1)
+
+
+def repeated_band(image: Any, seam: int, min_rows: int = 12,
+                  max_rows: int = 400) -> int:
+    """Height of a band that repeats right across ``seam`` (0 when none does).
+
+    A band of k rows repeats when rows [seam, seam + k) equal rows [seam - k, seam)
+    and the band holds more than one distinct row (so that blank margins and
+    uniform backgrounds, which repeat on any page, do not count).
+
+    Args:
+        image: the stitched screenshot.
+        seam: the row where one tile ends and the next begins.
+        min_rows, max_rows: the band heights looked for.
+
+    Returns:
+        The first repeated band height in ``[min_rows, max_rows]``, or 0.
+    """
+    first = max(0, seam - max_rows)
+    window = image.crop((0, first, image.width, min(image.height, seam + max_rows)))
+    data, stride = window.tobytes(), window.width * len(window.getbands())
+    rows = [hash(data[y * stride:(y + 1) * stride]) for y in range(window.height)]
+    mid = seam - first
+    for k in range(min_rows, max_rows + 1):
+        if mid - k < 0 or mid + k > len(rows):
+            break
+        above, below = rows[mid - k:mid], rows[mid:mid + k]
+        if above == below and len(set(below)) > 1:
+            return k
+    return 0
+
+
 class Browser:
     """One Chromium process and one page, driven by protocol commands.
 
@@ -77,6 +179,7 @@ class Browser:
     """
 
     def __init__(self, binary: str, width: int = 1280, height: int = 900) -> None:
+        self.width, self.height = width, height
         self._profile = tempfile.mkdtemp(prefix="chromium-profile-")
         to_chrome_r, self._to_chrome = os.pipe()
         self._from_chrome, from_chrome_w = os.pipe()
@@ -178,26 +281,105 @@ class Browser:
             raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def screenshot(self, path: Path, max_height: int = 40000, tile: int = 1500) -> None:
-        """Save a PNG of the whole page (cut at ``max_height`` CSS pixels).
+    def capture(self, timeout: float = 30.0, tries: int = 2) -> Any:
+        """One PNG of the viewport as a PIL image, each try under its own deadline.
 
-        One capture taller than the compositor's largest surface (about 16k pixels)
-        comes back blank below it, so the page is captured in tiles and stitched.
+        A capture costs one viewport's pixels however tall the page is, so a deadline
+        fits every page; a try that times out (a cold compositor) is retried.
         """
         from PIL import Image  # matplotlib's dependency: always there with the book
 
-        width, height = self.evaluate(
-            "[document.documentElement.scrollWidth, document.documentElement.scrollHeight]")
-        height = min(height, max_height)
-        page = Image.new("RGB", (width, height), "white")
-        for top in range(0, height, tile):
-            clip = {"x": 0, "y": top, "width": width,
-                    "height": min(tile, height - top), "scale": 1}
-            shot = self.send("Page.captureScreenshot", timeout=120, format="png",
-                             captureBeyondViewport=True, clip=clip)
-            part = Image.open(io.BytesIO(base64.b64decode(shot["data"])))
-            page.paste(part.convert("RGB"), (0, top))
+        for attempt in range(tries):
+            try:
+                shot = self.send("Page.captureScreenshot", timeout=timeout,
+                                 format="png", captureBeyondViewport=False,
+                                 optimizeForSpeed=True)
+                return Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert(
+                    "RGB")
+            except TimeoutError:
+                if attempt == tries - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def warm_up(self, timeout: float = 120.0) -> None:
+        """Start the renderer and compositor on a tiny page before the real ones.
+
+        The first capture of a freshly installed Chromium also creates its GPU
+        process, caches and fonts; that happens here, under a generous deadline, and
+        not inside a tall chapter's capture.
+        """
+        url = "data:text/html,<p style='font:16px serif'>warm&nbsp;<b>up</b></p>"
+        self.events.clear()
+        self.send("Page.navigate", url=url, timeout=timeout)
+        self.wait_event("Page.loadEventFired", timeout)
+        self.capture(timeout=timeout)
+
+    def scroll_to(self, y: int) -> float:
+        """Scroll the page to ``y`` CSS pixels, wait for a painted frame there, and
+        return where the page really is (the browser clamps at the bottom)."""
+        return self.evaluate(SCROLL_JS % {"y": int(y)})
+
+    def screenshot(self, path: Path, max_height: int = 40000, tile: int = 1800,
+                   overlap: int = 120) -> tuple[list[int], list[str]]:
+        """Save a PNG of the whole page (cut at ``max_height`` CSS pixels).
+
+        The page is photographed one viewport at a time (the viewport made ``tile``
+        CSS pixels tall meanwhile): scroll, capture the viewport, paste it at the row
+        where the browser says it scrolled to (times the device pixel ratio), so a
+        tile can never land twice or leave a gap. Sticky and fixed boxes are pinned
+        in the flow first (else each tile would repeat them). Each tile begins
+        ``overlap`` pixels above where the previous one ended, and those rows, seen
+        twice, must agree: a tile placed at the wrong row fails there.
+
+        Returns:
+            The seams (rows of the saved image where a tile after the first begins)
+            and one line per seam whose overlap disagrees (none: []).
+        """
+        from PIL import Image
+
+        self.send("Emulation.setDeviceMetricsOverride", width=self.width, height=tile,
+                  deviceScaleFactor=1, mobile=False)
+        try:
+            self.evaluate(PIN_JS)
+            width, height, ratio = self.evaluate(
+                "[window.innerWidth, document.documentElement.scrollHeight,"
+                " window.devicePixelRatio]")
+            height = min(height, max_height)
+            # The seams are compared in the text column: the sidebars' "on this page"
+            # highlight follows the scroll position by design.
+            left, right = self.evaluate(ARTICLE_JS)
+            columns = (round(left * ratio), round(right * ratio))
+            page = Image.new("RGB", (round(width * ratio), round(height * ratio)),
+                             "white")
+            seams: list[int] = []
+            bad: list[str] = []
+            top, done = 0.0, 0.0  # CSS pixels: next scroll target, rows pasted so far
+            while True:
+                at = self.scroll_to(top)
+                part = self.capture()
+                row = round(at * ratio)
+                if seams or row:
+                    seams.append(row)
+                    seen = round(done * ratio) - row
+                    wrong = rows_differing(page, row, part.crop(
+                        (0, 0, part.width, seen)), columns) if seen > 0 else None
+                    if seen <= 0 or wrong is not None:
+                        bad.append(f"seam at {row} px: the overlap with the tile above"
+                                   + (f" differs in rows {wrong[0]}..{wrong[1]}"
+                                      if wrong else " is missing"))
+                page.paste(part, (0, row))
+                end = at + part.height / ratio
+                if end >= height:
+                    break
+                if end <= done:
+                    raise RuntimeError(f"the page did not scroll to {top} (at {at})")
+                done, top = end, end - overlap
+        finally:
+            self.send("Emulation.setDeviceMetricsOverride", width=self.width,
+                      height=self.height, deviceScaleFactor=1, mobile=False)
+        self.scroll_to(0)
         page.save(path)
+        return seams, bad
 
     def close(self) -> None:
         """End the browser process and remove its throw-away profile."""

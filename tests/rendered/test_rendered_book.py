@@ -6,7 +6,9 @@ math element typeset (MathJax output present, so its assets were found locally);
 the page loads comes from off-site; no measured quantity printed as inf/nan; no library
 traceback frame in an output; every image has alt text; no figure is shrunk so far that
 its labels fall under 9 pt. A full-page screenshot of each chapter goes to
-`_build/screenshots/` for review.
+`_build/screenshots/` for review, stitched from viewport tiles whose seams are checked
+(each tile overlaps the previous one and must agree with it there; no band repeated
+across a seam).
 
 `make test` skips this module when there is no built book (or no Chromium);
 `make check-book` (run by `.ci/run` after `make book`) sets DTLIB_REQUIRE_BOOK=1, which
@@ -20,7 +22,8 @@ import re
 from pathlib import Path
 
 import pytest
-from cdp_pipe import INSTALL_HINT, Browser, find_chromium
+from cdp_pipe import (INSTALL_HINT, Browser, find_chromium, repeated_band,
+                      rows_differing)
 
 ROOT = Path(__file__).resolve().parents[2]
 HTML = Path(os.environ.get("DTLIB_BOOK_HTML", ROOT / "_build" / "html")).resolve()
@@ -117,16 +120,28 @@ def _unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, dict]:
-    """Every page loaded once, offline: the page's collected facts and its requests."""
+def _browser() -> Browser:
+    """A browser for the built book (skip or fail when there is none), warmed up: a
+    fresh Chromium spends its first capture creating its compositor, so that happens
+    on a tiny page and no chapter's call carries it."""
     reason = _unavailable()
     if reason:
         if REQUIRED:
             pytest.fail(reason)
         pytest.skip(reason)
-    SHOTS.mkdir(parents=True, exist_ok=True)
     browser = Browser(find_chromium())
+    try:
+        browser.warm_up()
+    except BaseException:
+        browser.close()
+        raise
+    return browser
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, dict]:
+    """Every page loaded once, offline: the page's collected facts and its requests."""
+    browser = _browser()
     facts: dict[str, dict] = {}
     try:
         for page in _pages():
@@ -139,11 +154,30 @@ def rendered() -> dict[str, dict]:
             info["offsite_requests"] = [u for u in requests
                                         if re.match(r"(https?|wss?|ftp):", u)]
             facts[name] = info
-            if name.startswith("notebooks/"):
-                browser.screenshot(SHOTS / (page.stem + ".png"))
     finally:
         browser.close()
     return facts
+
+
+@pytest.fixture(scope="module")
+def screenshots() -> dict[str, dict]:
+    """A full-page screenshot of every chapter, saved to SHOTS: per chapter its
+    seams and the seams whose overlap disagreed (a fixture of its own, so that the
+    pages' checks and the photographs each have their own time limit)."""
+    browser = _browser()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    shots: dict[str, dict] = {}
+    try:
+        for page in _pages():
+            name = str(page.relative_to(HTML))
+            if not name.startswith("notebooks/"):
+                continue
+            browser.load(page.as_uri())
+            seams, bad = browser.screenshot(SHOTS / (page.stem + ".png"))
+            shots[name] = {"seams": seams, "seam_mismatches": bad}
+    finally:
+        browser.close()
+    return shots
 
 
 def _report(found: dict[str, list[str]], what: str) -> str:
@@ -219,7 +253,58 @@ def test_figures_are_legible_at_page_width(rendered: dict[str, dict]) -> None:
     _check(rendered, "images_shrunk", "figures shrunk by more than 10 % to fit the page")
 
 
-def test_each_chapter_has_a_screenshot(rendered: dict[str, dict]) -> None:
+def test_each_chapter_has_a_screenshot(rendered: dict[str, dict],
+                                       screenshots: dict[str, dict]) -> None:
     chapters = [Path(p).stem for p in rendered if p.startswith("notebooks/")]
     missing = [c for c in chapters if not (SHOTS / f"{c}.png").is_file()]
     assert not missing, f"no screenshot for {missing} in {SHOTS}"
+
+
+def test_screenshot_seams_match_the_page(screenshots: dict[str, dict]) -> None:
+    """Each tile overlaps the one above it, and the rows seen twice agree (a tile
+    pasted at the wrong row, or captured before its scroll was painted, fails)."""
+    _check(screenshots, "seam_mismatches", "screenshot seams that differ from the page")
+
+
+def test_screenshots_repeat_no_band_at_a_seam(screenshots: dict[str, dict]) -> None:
+    """No band of rows is repeated right across a seam of a saved screenshot."""
+    from PIL import Image
+
+    found = {}
+    for page, f in screenshots.items():
+        with Image.open(SHOTS / (Path(page).stem + ".png")) as image:
+            image = image.convert("RGB")
+            bands = [f"{k} rows at {seam}" for seam in f["seams"]
+                     if (k := repeated_band(image, seam))]
+        if bands:
+            found[page] = bands
+    assert not found, _report(found, "bands repeated at screenshot seams")
+
+
+def _page_image(height: int = 600, width: int = 200):
+    """A synthetic page: a distinct grey ramp per row with a few text-like marks."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    for y in range(0, height, 20):
+        draw.text((5 + (y * 7) % 60, y), f"line {y}", fill="black")
+    return image
+
+
+def test_seam_checks_catch_a_tile_pasted_at_the_wrong_row() -> None:
+    """Runs without a book: a stitch whose second tile starts 40 rows early repeats a
+    band and differs from the page; the right stitch passes both checks."""
+    from PIL import Image
+
+    page = _page_image()
+    tile, seam = 300, 300
+    good = Image.new("RGB", page.size, "white")
+    bad = Image.new("RGB", page.size, "white")
+    for img, start in ((good, seam), (bad, seam - 40)):
+        img.paste(page.crop((0, 0, page.width, tile)), (0, 0))
+        img.paste(page.crop((0, start, page.width, start + tile)), (0, seam))
+    assert repeated_band(good, seam) == 0
+    assert rows_differing(good, 150, page.crop((0, 150, page.width, 450))) is None
+    assert repeated_band(bad, seam) == 40
+    assert rows_differing(bad, 150, page.crop((0, 150, page.width, 450))) is not None
