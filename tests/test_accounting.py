@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dtlib.runtime import launch
-from dtlib.collectives.accounting import CommLog, CommRecord, count_comms, ddp_comm_hook_accounting
+from dtlib.collectives.accounting import (CommLog, CommRecord, count_comms,
+                                         ddp_comm_hook_accounting)
 from dtlib.models.gpt import MLP
+from dtlib.runtime import launch
 
 
 def _plain_ops() -> list[tuple]:
@@ -32,8 +33,9 @@ def _plain_ops() -> list[tuple]:
         ("summary", log.summary())]
 
 
-def test_dist_calls_in_both_namespaces_are_recorded_once_and_restored() -> None:
-    got = launch.spawn(_plain_ops, 2, stream=False)[0]
+def test_dist_calls_in_both_namespaces_are_recorded_once_and_restored(
+        two_ranks: list[dict]) -> None:
+    got = two_ranks[0]["plain"]
     src = "torch.distributed"
     assert got[:6] == [("all_reduce", 12, 48, 2, src), ("broadcast", 12, 48, 2, src),
                        ("all_gather", 24, 96, 2, src),
@@ -76,12 +78,12 @@ def _ddp_step(hook: bool, functional: bool = True) -> tuple[int, int, int]:
     return log.total_bytes("all_reduce"), grad_bytes, log.calls("all_reduce")
 
 
-def test_ddp_step_all_reduces_the_gradient_bytes() -> None:
-    for total, grad_bytes, calls in launch.spawn(_ddp_step, 2, True, stream=False):
+def test_ddp_step_all_reduces_the_gradient_bytes(two_ranks: list[dict]) -> None:
+    for total, grad_bytes, calls in (r["ddp_hook"] for r in two_ranks):
         assert total == grad_bytes and calls >= 1
     # Without the hook (and without the dispatch mode, which sees the reducer's
     # c10d op on recent torch only) DDP's C++ reducer is invisible: the test can fail.
-    for total, grad_bytes, _ in launch.spawn(_ddp_step, 2, False, False, stream=False):
+    for total, grad_bytes, _ in (r["ddp_no_hook"] for r in two_ranks):
         assert total == 0 < grad_bytes
 
 
@@ -105,9 +107,8 @@ def _fsdp2_step() -> tuple[int, int, int, int, int]:
             log.calls("all_gather"), log.calls("reduce_scatter"), n_params)
 
 
-def test_fsdp2_all_gather_and_reduce_scatter_volumes() -> None:
-    for ag, rs, ag_calls, rs_calls, n_params in launch.spawn(_fsdp2_step, 2,
-                                                             stream=False):
+def test_fsdp2_all_gather_and_reduce_scatter_volumes(two_ranks: list[dict]) -> None:
+    for ag, rs, ag_calls, rs_calls, n_params in (r["fsdp2"] for r in two_ranks):
         # Each message is the padded flat parameters of one layer: at least the
         # parameters, at most one extra element per rank per tensor of padding.
         assert ag_calls == 6 and rs_calls == 3
@@ -126,7 +127,20 @@ def _functional() -> list[tuple]:
     return [(r.op, r.numel, r.group_size, r.source) for r in log.records]
 
 
-def test_functional_collectives_are_recorded() -> None:
-    got = launch.spawn(_functional, 2, stream=False)[0]
+def test_functional_collectives_are_recorded(two_ranks: list[dict]) -> None:
+    got = two_ranks[0]["functional"]
     assert got == [("all_reduce", 6, 2, "functional"),
                    ("all_gather", 12, 2, "functional")]
+
+
+def _all_cases() -> dict[str, object]:
+    """Every rank function above, in one process group (one launch for the file)."""
+    return {"plain": _plain_ops(), "ddp_hook": _ddp_step(True),
+            "ddp_no_hook": _ddp_step(False, False), "fsdp2": _fsdp2_step(),
+            "functional": _functional()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """One 2-rank launch whose results every multi-rank test here reads."""
+    return launch.spawn(_all_cases, 2, stream=False)

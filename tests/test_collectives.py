@@ -23,20 +23,53 @@ def _inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randint(-50, 50, (numel,), generator=g, dtype=dtype)
 
 
-def _compare_all(group_ranks: list[int] | None = None) -> list[str]:
-    """Run every from-scratch collective against torch's; return failures as text."""
-    group = dist.new_group(group_ranks) if group_ranks is not None else None
-    if group_ranks is not None and dist.get_rank() not in group_ranks:
-        return []
+def _forgets_own_values(t: torch.Tensor, group: object = None) -> torch.Tensor:
+    """A defective all-reduce: rank 1's result lacks rank 1's own values."""
+    mine = t.clone()
+    dist.all_reduce(t, group=group)
+    if dist.get_rank(group) == 1:
+        t.sub_(mine)
+    return t
+
+
+def _sum_bound(x: torch.Tensor, group: object) -> torch.Tensor | None:
+    """How far two sums of the group's ``x`` may differ, element by element.
+
+    Integers add exactly: None (the check is equality). In floating point, a sum of
+    n terms in any order is within (n - 1) u sum|x_i| of the exact sum (u = eps / 2,
+    the unit roundoff; Higham, Accuracy and Stability, eq. 4.4), so two orders (the
+    ring's and gloo's) are within (n - 1) eps sum|x_i| of each other. One rank: 0.
+    """
+    if not x.dtype.is_floating_point:
+        return None
+    n = dist.get_world_size(group)
+    abs_sum = x.abs()
+    dist.all_reduce(abs_sum, group=group)
+    return (n - 1) * torch.finfo(x.dtype).eps * abs_sum
+
+
+def _compare_all(group: dist.ProcessGroup | None = None,
+                 all_reduces: dict | None = None) -> list[str]:
+    """Run every from-scratch collective against torch's on ``group`` (this rank is a
+    member; None: the world); return failures as text. ``all_reduces`` replaces the
+    all-reduces checked (name -> function), to show that a defect is caught."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     failures: list[str] = []
+    all_reduces = all_reduces or {"ring_all_reduce": col.ring_all_reduce,
+                                  "naive_all_reduce": col.naive_all_reduce}
 
-    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        try:
-            # Integers exact; floats: the ring adds in another order than gloo.
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        except AssertionError as exc:
-            failures.append(f"{name} n={n} rank={rank}: {exc}")
+    def check(name: str, got: torch.Tensor, want: torch.Tensor,
+              bound: torch.Tensor | None = None) -> None:
+        # Copies (gathers, broadcasts) and integer sums are exact; a float sum is
+        # within the bound of _sum_bound.
+        if got.shape != want.shape or got.dtype != want.dtype:
+            failures.append(f"{name} n={n} rank={rank}: {got.shape} {got.dtype} "
+                            f"!= {want.shape} {want.dtype}")
+        elif bound is None and not torch.equal(got, want):
+            failures.append(f"{name} n={n} rank={rank}: {got} != {want}")
+        elif bound is not None and not bool(((got - want).abs() <= bound).all()):
+            worst = ((got - want).abs() - bound).max().item()
+            failures.append(f"{name} n={n} rank={rank}: beyond the bound by {worst}")
 
     for dtype in (torch.int64, torch.float32):
         for numel in SIZES:
@@ -44,14 +77,15 @@ def _compare_all(group_ranks: list[int] | None = None) -> list[str]:
                 _inputs(rank, numel, dtype).reshape(2, -1)   # 2-D shapes too
             want = x.clone()
             dist.all_reduce(want, group=group)
-            for name, fn in (("ring_all_reduce", col.ring_all_reduce),
-                             ("naive_all_reduce", col.naive_all_reduce)):
+            bound = _sum_bound(x, group)
+            for name, fn in all_reduces.items():
                 got = x.clone()
                 fn(got, group=group)
-                check(f"{name} {dtype} numel={numel}", got, want)
+                check(f"{name} {dtype} numel={numel}", got, want, bound)
             shard = col.ring_reduce_scatter(x, group=group)
             check(f"ring_reduce_scatter {dtype} numel={numel}", shard,
-                  want.flatten().tensor_split(n)[rank])
+                  want.flatten().tensor_split(n)[rank],
+                  None if bound is None else bound.flatten().tensor_split(n)[rank])
             gathered = col.ring_all_gather(x, group=group)
             parts = [torch.empty_like(x) for _ in range(n)]
             dist.all_gather(parts, x, group=group)
@@ -66,8 +100,9 @@ def _compare_all(group_ranks: list[int] | None = None) -> list[str]:
     t = torch.arange(12.0).reshape(3, 4).t()
     ref = t.clone()
     dist.all_reduce(ref, group=group)
+    bound = _sum_bound(t, group)
     col.ring_all_reduce(t, group=group)
-    check("ring_all_reduce non-contiguous", t, ref)
+    check("ring_all_reduce non-contiguous", t, ref, bound)
     # reduce-scatter equals torch's when numel divides by n.
     x = _inputs(rank, 4 * n, torch.int64)
     out = torch.empty(4, dtype=torch.int64)
@@ -77,20 +112,40 @@ def _compare_all(group_ranks: list[int] | None = None) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_from_scratch_collectives_equal_torch(world_size: int) -> None:
-    for failures in launch.spawn(_compare_all, world_size, stream=False, timeout=120):
-        assert failures == []
+# The groups one launch of 8 ranks checks, one after the other: the world, groups of
+# 1, 2 and 3 ranks in order, and groups whose ranks are listed out of order (rank 1, 3
+# and 0 of the world are ranks 0, 1 and 2 of the group: a collective must use group
+# ranks, not global ones).
+GROUPS = {"world of 8": None, "1 rank": [0], "2 ranks": [1, 2], "3 ranks": [3, 4, 5],
+          "4 ranks, out of order": [7, 5, 6, 4], "3 ranks, out of order": [1, 3, 0]}
+RING_NUMEL = 1000
 
 
-def test_eight_ranks() -> None:
-    for failures in launch.spawn(_compare_all, 8, stream=False, timeout=180):
-        assert failures == []
+def _every_group() -> dict[str, object]:
+    """Every check of this file that needs ranks, on one world of 8."""
+    made = {name: dist.new_group(ranks) if ranks is not None else None
+            for name, ranks in GROUPS.items()}  # every rank creates every group
+    out: dict[str, object] = {}
+    for name, ranks in GROUPS.items():   # the same order on every rank: no deadlock
+        if ranks is None or dist.get_rank() in ranks:
+            out[name] = _compare_all(made[name])
+    out["ring bytes"] = _ring_bytes(RING_NUMEL)
+    return out
 
 
-def test_subgroup_uses_group_ranks() -> None:
-    # Ranks 1, 3 and 0 of 4 form a group in which they are 0, 1, 2.
-    for failures in launch.spawn(_compare_all, 4, [1, 3, 0], stream=False, timeout=120):
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[dict[str, object]]:
+    """One launch of 8 ranks whose results every multi-rank test here reads."""
+    return launch.spawn(_every_group, 8, stream=False, timeout=180)
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_from_scratch_collectives_equal_torch(eight_ranks: list[dict],
+                                              group: str) -> None:
+    ranks = GROUPS[group] or range(8)
+    seen = [r[group] for rank, r in enumerate(eight_ranks) if rank in ranks]
+    assert len(seen) == len(ranks)
+    for failures in seen:
         assert failures == []
 
 
@@ -102,11 +157,21 @@ def _ring_bytes(numel: int) -> tuple[int, int]:
     return log.total_bytes("send"), log.total_bytes("recv")
 
 
-def test_ring_sends_2_n_minus_1_over_n_of_the_bytes() -> None:
-    n, numel = 4, 1000
-    for sent, received in launch.spawn(_ring_bytes, n, numel, stream=False):
-        assert sent == received == comm_cost.bytes_sent_per_rank("all_reduce",
-                                                                  4 * numel, n)
+def test_ring_sends_2_n_minus_1_over_n_of_the_bytes(eight_ranks: list[dict]) -> None:
+    for r in eight_ranks:
+        sent, received = r["ring bytes"]
+        assert sent == received == comm_cost.bytes_sent_per_rank(
+            "all_reduce", 4 * RING_NUMEL, 8)
+
+
+def test_a_wrong_collective_is_reported() -> None:
+    """The comparison fails on a defect: an all-reduce that leaves out one rank's
+    own values (off by O(1), where the float bound is about 1e-6)."""
+    failures = launch.spawn(_compare_all, 2, None, {"broken": _forgets_own_values},
+                            stream=False)
+    assert failures[0] == [], failures[0]
+    assert failures[1] and all(f.startswith("broken ") for f in failures[1])
+    assert len(failures[1]) == 2 * len(SIZES)   # every size, integers and floats
 
 
 def test_argument_validation() -> None:
