@@ -27,16 +27,15 @@ from dtlib.models.run import (Parallelism, RunResult, default_step, local_tensor
                               run_steps)
 from dtlib.models.sizes import size
 from dtlib.runtime import dist as ddist
-from dtlib.tensor_parallel import parallelism
+from dtlib.tensor_parallel import VARIANTS, parallelism
 from dtlib.tensor_parallel.gpt import parallel_param_count
 from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                           full_linear, tp_rank, tp_size)
 
 __all__ = ["TINY", "VARIANTS", "reference_training", "drop_f", "train_tp",
-           "count_first_step", "tp_runs", "mlp_pair_both", "mlp_pair_comms", "init_scale",
-           "reference_linear_pair", "ColumnParallelLinearWithoutF"]
+           "count_first_step", "tp_runs", "mlp_pair_both", "mlp_pair_comms",
+           "init_scale", "reference_linear_pair", "ColumnParallelLinearWithoutF"]
 
-VARIANTS = ("ours", "dtensor")
 # Small enough that 4 ranks train it for 5 steps in well under a second.
 TINY = size("tiny")
 
