@@ -2,10 +2,10 @@
 
 ``python -m dtlib.bench collectives [--nproc 4] [--sizes 1K 64K 16M]`` runs, for each op
 and size, torch's collective and :mod:`dtlib.collectives`' ring side by side on the same
-ranks, in the same run, and reports per record: op, impl ("torch" or "ring"), bytes,
+ranks, in the same run, and reports per record: op, variant ("torch" or "ring"), bytes,
 world_size, time_s (slowest rank, median over calls), algbw_GBps = bytes / time,
 busbw_GBps = algbw x the nccl-tests factor; plus the ring/torch busbw ratio and a
-fitted alpha/beta per (op, impl) (records with ``op`` ending in "_fit").
+fitted alpha/beta per (op, variant) (records with ``op`` ending in "_fit").
 
 Taught in: Chapter 2, "The cost model against measurement".
 """
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="message sizes in bytes, K/M suffixes (default 1K..64M)")
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     parser.add_argument("--budget", type=float, default=0.3,
-                        help="seconds of timed iterations per (op, impl, size)")
+                        help="seconds of timed iterations per (op, variant, size)")
     parser.add_argument("--timeout", type=float, default=300.0)
 
 
@@ -77,7 +77,7 @@ def _ring_call(op: str, x: torch.Tensor, n: int) -> Any:
 
 
 def time_collectives(sizes: list[int], ops: list[str], budget: float) -> list[dict]:
-    """On every rank: time each (op, size, impl); return rank 0's records.
+    """On every rank: time each (op, size, variant); return rank 0's records.
 
     torch's call and the ring's alternate, each after a barrier, so a load change on a
     shared machine hits both alike; a call's time is the slowest rank's, and the
@@ -90,8 +90,9 @@ def time_collectives(sizes: list[int], ops: list[str], budget: float) -> list[di
     for op in ops:
         for nbytes in sizes:
             numel = max(n, nbytes // 4 // n * n)  # float32, divisible by n
-            calls = {impl: make(op, torch.ones(numel, device=dev), n)
-                     for impl, make in (("torch", _torch_call), ("ring", _ring_call))}
+            calls = {variant: make(op, torch.ones(numel, device=dev), n)
+                     for variant, make in (("torch", _torch_call),
+                                           ("ring", _ring_call))}
             t0 = time.perf_counter()
             for call in calls.values():
                 call()  # warm-up: connections, allocations
@@ -101,41 +102,41 @@ def time_collectives(sizes: list[int], ops: list[str], budget: float) -> list[di
             iters = torch.tensor([max(3, min(100, int(budget / one.item())))],
                                  device=dev)
             dist.broadcast(iters, 0)
-            times = {impl: torch.zeros(int(iters.item()), device=dev)
-                     for impl in calls}
+            times = {variant: torch.zeros(int(iters.item()), device=dev)
+                     for variant in calls}
             for i in range(int(iters.item())):
-                for impl, call in calls.items():
+                for variant, call in calls.items():
                     dist.barrier()
                     sync()  # CUDA: time the work, not the queueing of it
                     t0 = time.perf_counter()
                     call()
                     sync()
-                    times[impl][i] = time.perf_counter() - t0
-            for impl in calls:
-                dist.all_reduce(times[impl], op=dist.ReduceOp.MAX)
-                t = times[impl].median().item()
+                    times[variant][i] = time.perf_counter() - t0
+            for variant in calls:
+                dist.all_reduce(times[variant], op=dist.ReduceOp.MAX)
+                t = times[variant].median().item()
                 msg = numel * 4
                 algbw = msg / t / 1e9
                 records.append({
-                    "op": op, "impl": impl, "bytes": msg, "world_size": n,
+                    "op": op, "variant": variant, "bytes": msg, "world_size": n,
                     "time_s": t, "algbw_GBps": algbw,
                     "busbw_GBps": algbw * comm_cost.bus_bandwidth_factor(op, n)})
     return records if rank == 0 else []
 
 
 def fits(records: list[dict]) -> list[dict]:
-    """A fitted alpha (us) and 1/beta (GB/s) per (op, impl), and the crossover size."""
+    """A fitted alpha (us) and 1/beta (GB/s) per (op, variant), and the crossover."""
     out = []
-    keys = dict.fromkeys((r["op"], r["impl"], r["world_size"]) for r in records)
-    for op, impl, n in keys:
-        rs = [r for r in records if (r["op"], r["impl"]) == (op, impl)]
+    keys = dict.fromkeys((r["op"], r["variant"], r["world_size"]) for r in records)
+    for op, variant, n in keys:
+        rs = [r for r in records if (r["op"], r["variant"]) == (op, variant)]
         if n < 2 or len(rs) < 2:
             continue
         alpha, beta = comm_cost.fit_alpha_beta([r["bytes"] for r in rs],
                                                [r["time_s"] for r in rs], op, n)
         cross = comm_cost.latency_bandwidth_crossover(op, n, alpha, beta)
         why = fit_distrust(rs, op, n, alpha, beta)
-        out.append({"op": f"{op}_fit", "impl": impl, "world_size": n,
+        out.append({"op": f"{op}_fit", "variant": variant, "world_size": n,
                     "alpha_us": alpha * 1e6,
                     # None, never inf: a term the fit could not see has no value.
                     "link_GBps": (1 / beta / 1e9) if beta > 0 else None,
@@ -153,7 +154,7 @@ def fit_distrust(records: list[dict], op: str, world_size: int, alpha: float,
     twice the crossover size, so the bandwidth-bound regime was actually measured.
 
     Args:
-        records: the timed records of one (op, impl): ``bytes`` and ``time_s``.
+        records: the timed records of one (op, variant): ``bytes`` and ``time_s``.
         op, world_size: the collective and the number of ranks it ran on.
         alpha, beta: the fitted latency (s) and time per byte (s/B).
     Returns:
@@ -185,12 +186,12 @@ def fit_distrust(records: list[dict], op: str, world_size: int, alpha: float,
 def ratios(records: list[dict]) -> list[dict]:
     """ring busbw / torch busbw per (op, bytes), measured in the same run."""
     torch_bw = {(r["op"], r["bytes"]): r["busbw_GBps"] for r in records
-                if r["impl"] == "torch"}
-    return [{"op": r["op"], "impl": "ring/torch", "bytes": r["bytes"],
+                if r["variant"] == "torch"}
+    return [{"op": r["op"], "variant": "ring/torch", "bytes": r["bytes"],
              "world_size": r["world_size"],
              "busbw_ratio": r["busbw_GBps"] / torch_bw[(r["op"], r["bytes"])]}
             for r in records
-            if r["impl"] == "ring" and (r["op"], r["bytes"]) in torch_bw]
+            if r["variant"] == "ring" and (r["op"], r["bytes"]) in torch_bw]
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -201,7 +201,7 @@ def check_collectives(n: int, timeout: float) -> tuple[bool, str]:
         return True, "SKIP: one GPU, no link to measure"
     rec = launch.spawn(time_collectives, n, [256 * 2**20], ["all_reduce"], 1.0,
                        timeout=timeout, stream=False)[0]
-    bw = {r["impl"]: r["busbw_GBps"] for r in rec}
+    bw = {r["variant"]: r["busbw_GBps"] for r in rec}
     return bw["torch"] > 0, (f"all_reduce 256 MiB on {n} GPUs: busbw {bw['torch']:.1f} "
                              f"GB/s (nccl-tests definition); the ring from send/recv "
                              f"{bw['ring']:.1f} GB/s = {bw['ring'] / bw['torch']:.0%}")

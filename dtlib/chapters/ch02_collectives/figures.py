@@ -140,15 +140,16 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
     from dtlib.collectives import cost_model as comm_cost
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for impl, marker in (("torch", "o"), ("ring", "s")):
-        rs = sorted((r for r in records if r.get("op") == op and r.get("impl") == impl),
+    for variant, marker in (("torch", "o"), ("ring", "s")):
+        rs = sorted((r for r in records
+                     if r.get("op") == op and r.get("variant") == variant),
                     key=lambda r: r["bytes"])
         if not rs:
             continue
         line, = ax.plot([r["bytes"] for r in rs], [r["busbw_GBps"] for r in rs],
-                        marker=marker, label=f"{impl} (measured)")
+                        marker=marker, label=f"{variant} (measured)")
         fit = next((f for f in fits or [] if f["op"] == f"{op}_fit"
-                    and f["impl"] == impl), None)
+                    and f["variant"] == variant), None)
         # Only a fit that can be trusted is drawn (see bench.collectives.fit_distrust).
         if fit is not None and fit.get("trusted"):
             n = rs[0]["world_size"]
@@ -158,7 +159,7 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
             model = [x / comm_cost.collective_time("ring", op, x, n, alpha, beta) / 1e9
                      * comm_cost.bus_bandwidth_factor(op, n) for x in xs]
             ax.plot(xs, model, "--", color=line.get_color(),
-                    label=f"{impl}: alpha-beta fit")
+                    label=f"{variant}: alpha-beta fit")
             ax.axvline(fit["crossover_bytes"], color=line.get_color(), lw=0.8, ls=":")
     # Both axes span orders of magnitude: log-log, where latency-bound busbw is a
     # line of slope 1 and bandwidth-bound busbw is flat.
@@ -186,15 +187,16 @@ def fit_summary(fits: list[dict], records: list[dict]) -> str:
 
     Taught in: Chapter 2, "The cost model against measurement".
     """
-    by_impl = {f["impl"]: f for f in fits}
+    by_variant = {f["variant"]: f for f in fits}
     largest = max(r["bytes"] for r in records)
-    doubts = [f"{impl}: {f['why']}" for impl, f in by_impl.items() if not f["trusted"]]
+    doubts = [f"{variant}: {f['why']}" for variant, f in by_variant.items()
+              if not f["trusted"]]
     if doubts:
         return ("The alpha-beta fit **cannot be trusted on this run**, so the page "
                 "prints no α or 1/β (" + "; ".join(doubts) + "). The measured points "
                 "above are what this machine did; rerun the cell on an idle machine, "
                 "or the full benchmark, for a fit.")
-    t, r = by_impl["torch"], by_impl["ring"]
+    t, r = by_variant["torch"], by_variant["ring"]
     return (f"The fit gives α ≈ {t['alpha_us']:.0f} µs per message for gloo and "
             f"{r['alpha_us']:.0f} µs for our ring (each of its 2(n−1) steps is a "
             "Python-level `isend`/`irecv` pair, on four processes that share two cores "
