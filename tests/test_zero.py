@@ -162,6 +162,22 @@ def _planted(defect: str) -> dict:
                           keep_params=True, **SGD)["params"]
 
 
+def _accumulated(variant: str, stage: int) -> dict:
+    """Two micro-batches per step through Chapter 8's accumulation_step (the
+    Parallelism's grad_sync off for the first): SGD with momentum, 3 steps."""
+    from dtlib.accumulation import accumulation_step
+    from dtlib.models.run import run_steps
+
+    cfg = GPTConfig(**TEST_GPT)
+    x, y = token_batch(cfg, 4 * torch.distributed.get_world_size(), seed=1)
+    par = parallelism(stage) if variant == "zero" else parallelism(
+        3, variant="fsdp2", group=torch.distributed.group.WORLD)
+    return run_steps(par, build_gpt(cfg, 0), lambda step: (x, y), 3,
+                     optimizer_class=torch.optim.SGD,
+                     optimizer_kwargs=dict(lr=0.05, momentum=0.9),
+                     step_fn=accumulation_step(2), record_grads=False).params
+
+
 def rank_runs() -> dict:
     """On every rank: everything this file compares, in one launch."""
     from dtlib.chapters.ch04_zero_fsdp.runs import moe_rank
@@ -188,6 +204,8 @@ def rank_runs() -> dict:
                 continue  # stage 3 refuses it (test_stage3_rank_mismatch_is_named)
             out["moe", stage, case] = moe_rank(stage, compare=False, **kwargs,
                                                **MOE_SGD)
+    for variant, stage in RUNS:
+        out["accum", variant, stage] = _accumulated(variant, stage)
     out["safety"] = _stage3_safety()
     for defect in ("missing_1_over_n", "wrong_shard_offset", "stale_gradient"):
         out["defect", defect] = _planted(defect)
@@ -273,6 +291,25 @@ def test_matches_single_process_with_clipping(world_size, variant, stage):
     ref = reference("gpt", world_size, clip=0.5)
     for r in runs(world_size):
         assert_params_close(r[variant, stage, "clip"]["params"], ref, ATOL_FP32)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("variant,stage", RUNS)
+def test_accumulation_through_grad_sync(world_size, variant, stage):
+    """Chapter 8's token-normalised accumulation over each variant's grad_sync
+    equals one process on the whole batch (16 x 4 rows of 16 tokens at most: n <=
+    256 terms a sum, |dg| <= 256 * 6e-8 * 10 = 1.5e-4, times lr * (1 + 1.9 + 2.71)
+    = 0.28 over 3 steps: 4e-5 < ATOL_FP32)."""
+    from dtlib.models.run import Parallelism, run_steps
+
+    cfg = GPTConfig(**TEST_GPT)
+    x, y = token_batch(cfg, 4 * world_size, seed=1)
+    ref = run_steps(Parallelism(), build_gpt(cfg, 0), lambda step: (x, y), 3,
+                    optimizer_class=torch.optim.SGD,
+                    optimizer_kwargs=dict(lr=0.05, momentum=0.9),
+                    record_grads=False).params
+    for r in runs(world_size):
+        assert_params_close(r["accum", variant, stage], ref, ATOL_FP32)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
