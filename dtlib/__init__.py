@@ -7,8 +7,8 @@ The packages follow the book (see the README's layout section for the import rul
 dimensions at once, and choosing them); ``chapters`` holds what each page runs;
 ``exercises`` checks the learner; ``bench`` measures.
 
-Nothing is imported here, so ``import dtlib`` stays cheap for every rank a launch starts.
-In a notebook, ``%load_ext dtlib`` registers the ``%%torchrun`` cell magic.
+Nothing is imported here, so ``import dtlib`` stays cheap for every rank a launch
+starts. In a notebook, ``%load_ext dtlib`` registers the ``%%torchrun`` cell magic.
 """
 
 from __future__ import annotations

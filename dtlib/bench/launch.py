@@ -48,11 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.nproc < 1 or args.repeats < 1:
-        raise ValueError(f"--nproc={args.nproc} and --repeats={args.repeats} must be >= 1")
+        raise ValueError(f"--nproc={args.nproc} and --repeats={args.repeats} "
+                         "must be >= 1")
     fd, script = tempfile.mkstemp(suffix=".py", prefix="hello_")
     with os.fdopen(fd, "w") as f:
         f.write(HELLO)
-    times: dict[str, list[float]] = {"torchrun": [], "spawn (cold)": [], "spawn (warm)": []}
+    times: dict[str, list[float]] = {"torchrun": [], "spawn (cold)": [],
+                                     "spawn (warm)": []}
     try:
         for _ in range(args.repeats):
             times["torchrun"].append(
@@ -69,5 +71,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         os.unlink(script)
     base = statistics.median(times["torchrun"])
     return [{"launcher": name, "nproc": args.nproc, "runs": len(ts),
-             "wall_s": statistics.median(ts), "ratio_to_torchrun": statistics.median(ts) / base}
+             "wall_s": statistics.median(ts),
+             "ratio_to_torchrun": statistics.median(ts) / base}
             for name, ts in times.items()]

@@ -1,11 +1,13 @@
-"""Exercises: checkers that give feedback a learner can act on, and the learner notebooks.
+"""Exercises: checkers that give feedback a learner can act on, and the learner
+notebooks.
 
 Each chapter's checkers live in a module named for the chapter's topic
 (``dtlib.exercises.hello``, ``dtlib.exercises.memory``, ...) and are wrapped by
 :func:`checker`, which gives every one the same manners:
 
 - an untouched exercise (an answer still ``...``, or a function whose body still
-  raises ``NotImplementedError``) is reported as "not attempted yet", and nothing is run;
+  raises ``NotImplementedError``) is reported as "not attempted yet", and nothing is
+  run;
 - a right answer prints ``Correct: ...``;
 - a wrong answer raises :class:`WrongAnswer`, which a notebook shows as a short message
   (no traceback, no checker source: IPython's ``_render_traceback_`` hook). Feedback
@@ -13,8 +15,8 @@ Each chapter's checkers live in a module named for the chapter's topic
   where to look. A closed-form answer's expected value is never shown.
 
 Solutions in the book's notebooks sit between ``### BEGIN SOLUTION`` and
-``### END SOLUTION``; ``python -m dtlib.exercises strip notebooks -o exercises`` writes the
-learner's copies with each solution replaced by a stub.
+``### END SOLUTION``; ``python -m dtlib.exercises strip notebooks -o exercises`` writes
+the learner's copies with each solution replaced by a stub.
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ class WrongAnswer(AssertionError):
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing a traceback: the learner sees the
         # feedback, not the checker's source.
-        head = "\x1b[1;31mNot yet\x1b[0m" + (f" ({self.exercise})" if self.exercise else "")
+        head = "\x1b[1;31mNot yet\x1b[0m" + (f" ({self.exercise})"
+                                             if self.exercise else "")
         lines = [f"{head}: {self.what}"]
         if self.hint and self.attempt >= 2:
             lines.append(f"\x1b[1mHint\x1b[0m: {self.hint}")
         elif self.hint:
-            lines.append("(Change your answer and run the cell again; a hint comes from "
-                         "the second try on.)")
+            lines.append("(Change your answer and run the cell again; a hint comes "
+                         "from the second try on.)")
         return lines
 
 
@@ -86,7 +89,8 @@ def is_stub(fn: Callable[..., Any] | str) -> bool:
         tree = ast.parse(textwrap.dedent(source))
     except (OSError, TypeError, SyntaxError):
         return False
-    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    defs = [n for n in tree.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if not defs:
         return False
     body = [s for s in defs[0].body
@@ -184,7 +188,8 @@ def check_close(name: str, got: Any, expected: float, *, rel: float = 1e-6,
     ``expected``. The message says whether ``got`` is too large or too small, never
     the expected value: the learner derives it."""
     if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise WrongAnswer(f"{name}: expected a number, got {type(got).__name__} {got!r}")
+        raise WrongAnswer(f"{name}: expected a number, "
+                          f"got {type(got).__name__} {got!r}")
     if not math.isclose(got, expected, rel_tol=rel, abs_tol=0.0 if expected else 1e-12):
         side = "too large" if got > expected else "too small"
         raise WrongAnswer(f"{name}: got {got!r}, {side}: expected a "

@@ -1,4 +1,5 @@
-"""``python -m dtlib.exercises strip notebooks -o exercises``: write learner notebooks."""
+"""``python -m dtlib.exercises strip notebooks -o exercises``: write learner
+notebooks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from dtlib.exercises.strip import strip_tree
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dtlib.exercises")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("strip", help="replace every solution by raise NotImplementedError")
+    p = sub.add_parser("strip",
+                       help="replace every solution by raise NotImplementedError")
     p.add_argument("src", help="folder of the book's notebooks")
     p.add_argument("-o", "--output", required=True, help="folder for learner notebooks")
     p.add_argument("--force", action="store_true",
@@ -23,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: {w.solutions} solution(s) removed")
     print(f"wrote {len(report) - len(kept)} notebook(s) to {args.output}")
     if kept:
-        print(f"kept {len(kept)} notebook(s) you edited (your work is not overwritten): "
+        print(f"kept {len(kept)} notebook(s) you edited "
+              "(your work is not overwritten): "
               + ", ".join(kept))
         print("to replace them with fresh copies, move them away or rerun with --force "
               "(make exercises FORCE=1)")

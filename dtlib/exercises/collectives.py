@@ -94,8 +94,8 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
     """What makes this rank's traffic not a ring all-gather (empty: nothing)."""
     used = sorted({kind for kind, _, _ in log} - {"send", "recv"})
     if used:
-        return [f"it calls {used}: use only send/recv (dist.send, dist.recv, dist.isend, "
-                "dist.irecv, or dist.batch_isend_irecv)"]
+        return [f"it calls {used}: use only send/recv (dist.send, dist.recv, "
+                "dist.isend, dist.irecv, or dist.batch_isend_irecv)"]
     sends = [(peer, k) for kind, peer, k in log if kind == "send"]
     recvs = [(peer, k) for kind, peer, k in log if kind == "recv"]
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -105,8 +105,8 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
                 f"only to its right neighbour, rank {right}"]
     if any(peer != left for peer, _ in recvs):
         return [f"rank {rank} of {n} receives from ranks "
-                f"{sorted({str(p) for p, _ in recvs})}: in a ring, a rank receives only "
-                f"from its left neighbour, rank {left} (name it: src={left})"]
+                f"{sorted({str(p) for p, _ in recvs})}: in a ring, a rank receives "
+                f"only from its left neighbour, rank {left} (name it: src={left})"]
     if len(sends) != n - 1 or len(recvs) != n - 1:
         return [f"rank {rank} of {n} sends {len(sends)} and receives {len(recvs)} "
                 f"message(s): a ring all-gather takes exactly n - 1 = {n - 1} steps"]
@@ -131,10 +131,11 @@ def _check_all_gather_on_rank(source: str, name: str) -> list[str]:
                 not torch.equal(got, want):
             shape_got = (f" (shape {tuple(got.shape)})" if isinstance(got, torch.Tensor)
                          else "")
-            return [f"world_size={n}, rank {rank}, shard shape {tuple(shape)}: expected "
-                    f"{want.flatten().tolist()} (shape {tuple(want.shape)}), got "
-                    f"{got.flatten().tolist() if isinstance(got, torch.Tensor) else got!r}"
-                    + shape_got]
+            return [
+                f"world_size={n}, rank {rank}, shard shape {tuple(shape)}: expected "
+                f"{want.flatten().tolist()} (shape {tuple(want.shape)}), got "
+                f"{got.flatten().tolist() if isinstance(got, torch.Tensor) else got!r}"
+                + shape_got]
         problems = _ring_problems(log, rank, n, shard.numel())
         if problems:
             return problems
@@ -182,10 +183,10 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
         problems = [p for per_rank in results for p in per_rank]
         if problems:
             raise WrongAnswer(problems[0], "in step s, rank r passes on the shard it "
-                              "received in step s - 1 (its own in step 0): to rank r+1, "
-                              "while receiving the next from rank r-1. Look again at "
-                              "'Ring all-reduce, from send and recv': its all-gather "
-                              "half is this exercise.")
+                              "received in step s - 1 (its own in step 0): to rank "
+                              "r+1, while receiving the next from rank r-1. Look "
+                              "again at 'Ring all-reduce, from send and recv': its "
+                              "all-gather half is this exercise.")
     passed(f"your ring all-gather equals all_gather on {list(world_sizes)} ranks, "
            "passing one shard to the right neighbour n - 1 times")
 

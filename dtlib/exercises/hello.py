@@ -30,7 +30,7 @@ def check_all_reduce_prediction(predict: Callable[[int, int], float],
             got = predict(n, rank)
             if got != actual:
                 raise WrongAnswer(
-                    f"world_size={n}, rank={rank}: you predicted {got!r}, the rank holds "
-                    f"{actual!r}. Hint: after an all-reduce every rank holds the same value, "
-                    "the sum over all ranks of what each contributed.")
+                    f"world_size={n}, rank={rank}: you predicted {got!r}, the rank "
+                    f"holds {actual!r}. Hint: after an all-reduce every rank holds the "
+                    "same value, the sum over all ranks of what each contributed.")
     passed(f"your prediction matches real all-reduces on {list(world_sizes)} ranks")

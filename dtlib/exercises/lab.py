@@ -1,13 +1,14 @@
 """Prose numbers in the learner copies, computed by the learner's own run.
 
 The book's prose quotes measured numbers with MyST-NB's glue roles
-(``{glue:text}`name:.2f```), which only the book build fills in. In JupyterLab they would
-show as raw placeholders, so the learner copies (:mod:`dtlib.exercises.strip`) turn each
-into jupyterlab-myst's inline ``{eval}`` role, ``{eval}`glued("name", ".2f")```. Its
-value comes from the learner's kernel: :func:`record_glue` (the first code cell of every
-learner copy) makes every later ``glue(name, value)`` also remember ``value`` here, and
-:func:`glued` formats it. A number is therefore shown only once the cell that computes
-it has run in this session: never a stale number from somebody else's machine.
+(``{glue:text}`name:.2f```), which only the book build fills in. In JupyterLab they
+would show as raw placeholders, so the learner copies (:mod:`dtlib.exercises.strip`)
+turn each into jupyterlab-myst's inline ``{eval}`` role,
+``{eval}`glued("name", ".2f")```. Its value comes from the learner's kernel:
+:func:`record_glue` (the first code cell of every learner copy) makes every later
+``glue(name, value)`` also remember ``value`` here, and :func:`glued` formats it. A
+number is therefore shown only once the cell that computes it has run in this session:
+never a stale number from somebody else's machine.
 
 Taught in: README, "Working with the notebooks".
 """
@@ -21,7 +22,8 @@ GLUED: dict[str, Any] = {}
 
 
 class Shown:
-    """Text that a notebook displays as itself (no quotes), as plain text or Markdown."""
+    """Text that a notebook displays as itself (no quotes), as plain text or
+    Markdown."""
 
     def __init__(self, text: str) -> None:
         self.text = text

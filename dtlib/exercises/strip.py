@@ -1,7 +1,7 @@
 """Write learner notebooks: every solution replaced by a stub.
 
-The nbgrader convention: lines between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` in a
-code cell are the solution. What replaces them depends on what they were:
+The nbgrader convention: lines between ``### BEGIN SOLUTION`` and ``### END SOLUTION``
+in a code cell are the solution. What replaces them depends on what they were:
 
 - inside a function (indented): ``raise NotImplementedError``, so the function keeps
   its ``def`` line and docstring;
@@ -86,7 +86,8 @@ def _stub(solution: list[str], indent: str, after: str) -> str:
 
 
 def strip_source(source: str) -> str:
-    """Return ``source`` with each marked solution replaced by a stub (module docstring).
+    """Return ``source`` with each marked solution replaced by a stub (module
+    docstring).
 
     Raises:
         ValueError: a BEGIN without END, an END without BEGIN, or nested markers.
@@ -147,7 +148,8 @@ def strip_notebook(nb: dict) -> tuple[dict, int]:
     glue_used = False
     cells = []
     for cell in nb.get("cells", []):
-        src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        src = (cell["source"] if isinstance(cell["source"], str)
+               else "".join(cell["source"]))
         if cell.get("cell_type") == "markdown":
             if _SOLUTION_FENCE.match(src.strip()):
                 continue
@@ -167,7 +169,8 @@ def strip_notebook(nb: dict) -> tuple[dict, int]:
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "code":
             continue
-        src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        src = (cell["source"] if isinstance(cell["source"], str)
+               else "".join(cell["source"]))
         if BEGIN in src:
             count += src.count(BEGIN)
             cell["source"] = strip_source(src)
@@ -201,7 +204,8 @@ def strip_tree(src: str | os.PathLike, dst: str | os.PathLike,
         dst: folder of the learner copies.
         force: overwrite learner copies that were edited since they were written.
     Returns:
-        file name -> :class:`Written` (solutions removed, and whether the file was kept).
+        file name -> :class:`Written` (solutions removed, and whether the file was
+        kept).
     Raises:
         ValueError: ``src`` is not a directory.
     """

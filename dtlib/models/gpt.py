@@ -173,7 +173,8 @@ class MLP(nn.Module):
     ``sizes=(16, 64, 64, 8)`` makes three Linear layers 16->64->64->8.
     """
 
-    def __init__(self, sizes: tuple[int, ...] = (16, 64, 64, 8), bias: bool = True) -> None:
+    def __init__(self, sizes: tuple[int, ...] = (16, 64, 64, 8),
+                 bias: bool = True) -> None:
         super().__init__()
         if len(sizes) < 2 or any(not isinstance(n, int) or n < 1 for n in sizes):
             raise ValueError(f"sizes={sizes!r} must be two or more positive integers")
@@ -198,14 +199,16 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def build_gpt(cfg: GPTConfig | None = None, seed: int = 0) -> GPT:
-    """A GPT with weights drawn from ``seed``: every rank that calls this gets the same."""
+    """A GPT with weights drawn from ``seed``: every rank that calls this gets the
+    same."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(cfg or GPTConfig())
 
 
 def token_batch(cfg: GPTConfig, batch: int, seed: int = 0,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device | str = "cpu"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """A synthetic batch ``(idx, targets)`` of shape ``(batch, seq_len)``.
 
     Targets are the inputs shifted by one, as in language modelling. The same ``seed``

@@ -213,7 +213,8 @@ def run_steps(par: Parallelism, model: nn.Module,
               comms: Callable[[], ContextManager[Any]] | None = None,
               comms_step: int = 0, record_grads: bool = True,
               record_params: bool = True,
-              on_step: Callable[[int, float, dict[str, Any]], bool | None] | None = None,
+              on_step: Callable[[int, float, dict[str, Any]],
+                                bool | None] | None = None,
               ) -> RunResult:
     """Train ``steps`` optimizer steps of ``model`` under ``par``: the one loop.
 

@@ -14,7 +14,8 @@ __all__ = ["SIZES", "size"]
 SIZES: dict[str, GPTConfig] = {
     # Chapters 3, 5, 8: data and tensor parallel proofs (4 heads divide by tp = 2, 4).
     "tiny": GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4),
-    # Chapter 9: the model whose run is killed and resumed (dropout exercises RNG state).
+    # Chapter 9: the model whose run is killed and resumed (dropout exercises RNG
+    # state).
     "tiny-dropout": GPTConfig(vocab_size=64, seq_len=16, n_layers=2, hidden=32,
                               n_heads=2, dropout=0.1),
     # Chapter 9, sharded checkpoints: untied head, so every parameter is one DTensor.

@@ -1,4 +1,5 @@
-"""The runtime: the world every rank lives in, and starting, watching and stopping ranks.
+"""The runtime: the world every rank lives in, and starting, watching and stopping
+ranks.
 
 - :mod:`~dtlib.runtime.dist`: rank, world size, device and backend, chosen in one place.
 - :mod:`~dtlib.runtime.device_memory`: current and peak memory of this rank's device.
@@ -7,6 +8,6 @@
   :mod:`~dtlib.runtime.diagnose` do the watching and the hang reports.
 - :mod:`~dtlib.runtime.magic`: the ``%%torchrun`` cell magic.
 
-Submodules are imported explicitly (``from dtlib.runtime import dist, launch``) so that a
-rank imports only what it uses.
+Submodules are imported explicitly (``from dtlib.runtime import dist, launch``) so that
+a rank imports only what it uses.
 """

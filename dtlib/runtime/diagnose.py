@@ -1,7 +1,8 @@
 """Reading what ranks left behind: where a hung rank was, and why a rank died.
 
-Used by :mod:`dtlib.runtime.launch` to turn a timeout into "rank 0 waits in all_reduce at line 7,
-rank 1 is at line 9 and never joined", and a crash into "rank 2 raised ValueError".
+Used by :mod:`dtlib.runtime.launch` to turn a timeout into "rank 0 waits in all_reduce
+at line 7, rank 1 is at line 9 and never joined", and a crash into "rank 2 raised
+ValueError".
 
 Taught in: Chapter 0 (the deadlock demo) and Chapter 2 (rank-0-only reduce/gather).
 """
@@ -33,7 +34,8 @@ class Frame:
 
 
 def parse_stack(text: str) -> list[list[Frame]]:
-    """Split a faulthandler dump into threads, each a list of frames, innermost first."""
+    """Split a faulthandler dump into threads, each a list of frames, innermost
+    first."""
     threads: list[list[Frame]] = []
     for raw in text.splitlines():
         if _THREAD.match(raw):
@@ -70,7 +72,8 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def where(threads: list[list[Frame]], script: str | None) -> tuple[Frame | None, str | None]:
+def where(threads: list[list[Frame]],
+          script: str | None) -> tuple[Frame | None, str | None]:
     """The reader's innermost frame and the torch.distributed call below it (if any).
 
     Args:
@@ -88,9 +91,11 @@ def where(threads: list[list[Frame]], script: str | None) -> tuple[Frame | None,
                 continue
             deeper = frames[:i]  # innermost first
             names = [f.func for f in deeper
-                     if f.file.endswith("distributed_c10d.py") and not f.func.startswith("_")]
+                     if f.file.endswith("distributed_c10d.py")
+                     and not f.func.startswith("_")]
             if not names:
-                names = [f.func for f in deeper if os.sep + "distributed" + os.sep in f.file
+                names = [f.func for f in deeper
+                         if os.sep + "distributed" + os.sep in f.file
                          and f.func != "wrapper" and not f.func.startswith("_")]
             return fr, (names[-1] if names else None)
     return None, None
@@ -108,13 +113,15 @@ def _place(frame: Frame, label: str | None) -> str:
 def exception_frames(exc: dict | None) -> list[Frame]:
     """The frames a recorded exception (``worker.record_exception``) passed through,
     innermost first."""
-    return [Frame(f, int(n), fn) for f, n, fn in reversed((exc or {}).get("frames", []))]
+    return [Frame(f, int(n), fn)
+            for f, n, fn in reversed((exc or {}).get("frames", []))]
 
 
 def describe_finished_rank(rank: int, awaited: str | None) -> str:
     """One line for a rank whose program returned normally while others still waited."""
     what = awaited or "the collective its peers wait in"
-    return f"rank {rank}: finished without calling {what} (its program returned, exit 0)"
+    return (f"rank {rank}: finished without calling {what} "
+            "(its program returned, exit 0)")
 
 
 def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | None,
@@ -129,9 +136,11 @@ def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | 
     if not alive:
         if finished:
             return describe_finished_rank(rank, awaited)
-        return f"rank {rank}: had already exited; it never called what the others wait in"
+        return (f"rank {rank}: had already exited; "
+                "it never called what the others wait in")
     if not stack:
-        return f"rank {rank}: alive but left no stack (still starting up, or not Python)"
+        return (f"rank {rank}: alive but left no stack "
+                "(still starting up, or not Python)")
     frame, collective = where(parse_stack(stack), script)
     if frame is None:
         return f"rank {rank}: no frame of the script on its stack (still importing?)"
@@ -217,9 +226,9 @@ def mismatch_summary(stacks: dict[int, str], script: str | None) -> str | None:
 
 
 HANG_HINT = (
-    "The usual cause is a collective mismatch: a rank that never calls the collective its "
-    "peers wait in (a collective under 'if rank == 0:', a different number of calls per "
-    "rank, or a rank stuck elsewhere)."
+    "The usual cause is a collective mismatch: a rank that never calls the "
+    "collective its peers wait in (a collective under 'if rank == 0:', a "
+    "different number of calls per rank, or a rank stuck elsewhere)."
 )
 
 
@@ -232,7 +241,8 @@ def exit_cause(code: int | None) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        extra = " (kill -9, or the out-of-memory killer)" if -code == signal.SIGKILL else ""
+        extra = (" (kill -9, or the out-of-memory killer)"
+                 if -code == signal.SIGKILL else "")
         return f"killed by {name}{extra}"
     return f"exit code {code}"
 
@@ -289,7 +299,8 @@ def root_cause(exceptions: dict[int, dict], deaths: dict[int, float],
     return None, "no rank left a clue"
 
 
-_ROOT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+_ROOT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\)\s*\n"
+                   r"\s*exitcode\s*:\s*(-?\d+)",
                    re.S)
 
 

@@ -1,8 +1,9 @@
 """The world a rank lives in: rank, device and backend, chosen in exactly one place.
 
-Every other module asks this one. Nothing else in dtlib reads ``RANK`` or ``LOCAL_RANK``
-or writes ``cuda:{i}`` by hand, so the same code runs as four gloo processes on a laptop,
-as eight NCCL processes on one GPU node, and across nodes under torchrun's rendezvous.
+Every other module asks this one. Nothing else in dtlib reads ``RANK`` or
+``LOCAL_RANK`` or writes ``cuda:{i}`` by hand, so the same code runs as four gloo
+processes on a laptop, as eight NCCL processes on one GPU node, and across nodes under
+torchrun's rendezvous.
 
 Taught in: Chapter 0, "Hello, distributed".
 """
@@ -57,7 +58,8 @@ def _env_int(name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not an integer") from None
     if value < 0:
         raise ValueError(f"environment variable {name}={value} must be >= 0")
     return value
@@ -147,7 +149,8 @@ def agree_backend(store: Any, rank: int, world_size: int, backend: str) -> None:
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return (torch.device("cuda", local_rank) if backend == "nccl"
+            else torch.device("cpu"))
 
 
 def world() -> World:
@@ -158,7 +161,8 @@ def world() -> World:
         return World(dist.get_rank(), local_rank, dist.get_world_size(), backend,
                      _device_for(backend, local_rank))
     backend = choose_backend(local_rank)
-    return World(rank, local_rank, world_size, backend, _device_for(backend, local_rank))
+    return World(rank, local_rank, world_size, backend,
+                 _device_for(backend, local_rank))
 
 
 def init(
@@ -182,7 +186,8 @@ def init(
     ``tests/test_device_placement.py`` checks that it does.
 
     Args:
-        backend: ``"gloo"``, ``"nccl"`` or ``None`` to choose (see :func:`choose_backend`).
+        backend: ``"gloo"``, ``"nccl"`` or ``None`` to choose (see
+            :func:`choose_backend`).
         timeout: seconds (or a timedelta) a collective waits for its peers.
         store: a ``torch.distributed.Store`` to rendezvous through instead of ``env://``
             (used by :func:`dtlib.runtime.launch.spawn`).
@@ -208,7 +213,8 @@ def init(
     device = _device_for(backend, local_rank)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if device.type == "cuda":
-        # Set the device first: otherwise the first NCCL call of every rank lands on GPU 0.
+        # Set the device first: otherwise the first NCCL call of every rank lands on
+        # GPU 0.
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     if store is None and world_size == 1 and "MASTER_ADDR" not in os.environ:
@@ -281,8 +287,8 @@ def rprint(*args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
     It lives beside :func:`world` because it is a question to the world (which rank
     am I, was I started by the launcher), not a formatting helper.
 
-    Under :mod:`dtlib.runtime.launch` every line is already prefixed by the launcher, so the
-    prefix is not added twice.
+    Under :mod:`dtlib.runtime.launch` every line is already prefixed by the launcher, so
+    the prefix is not added twice.
     """
     w = world()
     if not all_ranks and w.rank != 0:

@@ -9,8 +9,8 @@ Two ways in, one supervisor:
   milliseconds instead of one torch import per rank.
 
 Both stream every rank's output as whole lines prefixed ``[rank k]``, stop on the first
-failing rank (naming it and its traceback), and on a timeout first ask every rank where it
-is (see :mod:`dtlib.runtime.worker`), then kill the whole process tree and raise
+failing rank (naming it and its traceback), and on a timeout first ask every rank where
+it is (see :mod:`dtlib.runtime.worker`), then kill the whole process tree and raise
 :class:`LaunchTimeout` with that report.
 
 Taught in: Chapter 0, "Hello, distributed".
@@ -55,8 +55,9 @@ def default_nproc() -> int:
 
 
 def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
-             timeout: float = DEFAULT_TIMEOUT_S, module: bool = False, stream: bool = True,
-             label: str | None = None, env: dict[str, str] | None = None) -> LaunchResult:
+             timeout: float = DEFAULT_TIMEOUT_S, module: bool = False,
+             stream: bool = True, label: str | None = None,
+             env: dict[str, str] | None = None) -> LaunchResult:
     """Run ``target`` on ``nproc`` ranks under torchrun and wait for it.
 
     Args:
@@ -82,11 +83,14 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
     script = None if module else os.path.abspath(os.fspath(target))
     if script is not None and not os.path.isfile(script):
         raise ValueError(f"target={os.fspath(target)!r}: no such script")
-    sup = Supervisor(nproc, stream, label or ("line" if module else
-                                               f"{os.path.basename(script)} line"), script)
+    sup = Supervisor(nproc, stream,
+                     label or ("line" if module
+                               else f"{os.path.basename(script)} line"),
+                     script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "--monitor_interval=0.1",
-           "-m", "dtlib.runtime.worker", *(["-m", os.fspath(target)] if module else [script]),
+           "-m", "dtlib.runtime.worker",
+           *(["-m", os.fspath(target)] if module else [script]),
            *map(str, args)]
     full_env = {**sup.env(), **(env or {})}
     agent_out: list[str] = []
@@ -118,7 +122,8 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
             codes = diagnose.torchrun_exit_codes("".join(agent_out))
             error = sup.root_cause_error(codes)
             if error.rank is None and not isinstance(error, CollectiveMismatch):
-                error = sup.failure(None, f"torchrun {diagnose.exit_cause(proc.returncode)}"
+                error = sup.failure(None,
+                                    f"torchrun {diagnose.exit_cause(proc.returncode)}"
                                     f":\n{diagnose.tail(''.join(agent_out))}")
             raise error
         return LaunchResult(0, sup.texts(), time.monotonic() - start, sup.results())
@@ -149,7 +154,7 @@ def _check_launch_args(nproc: int, timeout: float) -> None:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
 
 
-# ---- spawn: importable functions, forked from a server that has torch loaded ----------
+# ---- spawn: importable functions, forked from a server that has torch loaded ------
 
 _CTX: Any = None
 
@@ -159,7 +164,8 @@ def _context() -> Any:
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         # The server imports these once; every rank forks from it with torch loaded.
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "dtlib.runtime.launch"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed",
+                                     "dtlib.runtime.launch"])
     return _CTX
 
 
@@ -174,7 +180,8 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int,
     from dtlib.runtime import dist as ddist
 
     try:
-        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size,
+                                           is_master=False)
         ddist.init(backend, store=store)
         if isinstance(fn, _ByValue):
             fn = fn.load()
@@ -206,9 +213,10 @@ class _ByValue:
             self.payload = cloudpickle.dumps(fn)
         except Exception as exc:
             raise ValueError(
-                f"fn={self.name!r} cannot be sent to the ranks: it refers to something "
-                f"that cannot be copied into another process ({exc}). Pass such objects "
-                "as arguments built on each rank, or move the function into a .py file"
+                f"fn={self.name!r} cannot be sent to the ranks: it refers to "
+                f"something that cannot be copied into another process ({exc}). "
+                "Pass such objects as arguments built on each rank, or move the "
+                "function into a .py file"
             ) from None
 
     def load(self) -> Callable[..., Any]:
@@ -236,8 +244,9 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
           stream: bool = True, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's value.
 
-    Each rank has joined the default process group (``dtlib.runtime.dist.init``) before ``fn``
-    runs, so ``fn`` may call collectives and ``dtlib.runtime.dist.world()`` directly.
+    Each rank has joined the default process group (``dtlib.runtime.dist.init``) before
+    ``fn`` runs, so ``fn`` may call collectives and ``dtlib.runtime.dist.world()``
+    directly.
 
     Args:
         fn: the function each rank runs. A module-level function of a .py file is
@@ -258,7 +267,8 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
         raise ValueError(f"fn={fn!r} is not callable; pass the function each rank runs")
     fn = _sendable(fn)
     ctx = _context()
-    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, True,
+                                       wait_for_workers=False)
     sup = Supervisor(world_size, stream, None)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_spawn_entry, daemon=True,
@@ -284,7 +294,8 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
                         sup.deaths.setdefault(r, time.time())
                         failed = True
                 if failed:
-                    time.sleep(0.3)  # let the first failure's echoes land before judging
+                    # Let the first failure's echoes land before judging.
+                    time.sleep(0.3)
                     codes = {r: p.exitcode for r, p in enumerate(procs)
                              if p.exitcode not in (None, 0)}
                     for r in codes:

@@ -8,9 +8,9 @@ Load with ``%load_ext dtlib``, then::
     world = ddist.init()
     ...
 
-The cell is written to a temporary script and launched by :func:`dtlib.runtime.launch.torchrun`,
-so a reader edits a cell and re-runs it like any other. Line numbers in error reports are
-the cell's own.
+The cell is written to a temporary script and launched by
+:func:`dtlib.runtime.launch.torchrun`, so a reader edits a cell and re-runs it like any
+other. Line numbers in error reports are the cell's own.
 
 What a cell sees: it runs in fresh processes, one per rank, not in the kernel, so the
 notebook's variables do not exist there. Values go in on the magic line, which IPython
@@ -43,14 +43,15 @@ class TorchrunMagics(Magics):
     @argument("args", nargs="*", help="arguments passed to the cell as sys.argv[1:]")
     @cell_magic
     def torchrun(self, line: str, cell: str) -> None:
-        """Run this cell on ``-n`` ranks under torchrun (``%%torchrun -n 4 --timeout 60``).
+        """Run this cell on ``-n`` ranks under torchrun
+        (``%%torchrun -n 4 --timeout 60``).
 
         The :class:`~dtlib.runtime.launch.LaunchResult` is left in the variable
         ``torchrun_result`` for the next cell: ``.outputs`` (each rank's text) and
         ``.values`` (each rank's top-level ``result`` variable).
 
-        Raises LaunchError / LaunchTimeout from :mod:`dtlib.runtime.launch`; the traceback of the
-        failing rank, or where each rank hung, is in the message.
+        Raises LaunchError / LaunchTimeout from :mod:`dtlib.runtime.launch`; the
+        traceback of the failing rank, or where each rank hung, is in the message.
         """
         opts = parse_argstring(self.torchrun, line)
         fd, path = tempfile.mkstemp(prefix="torchrun_cell_", suffix=".py")

@@ -1,9 +1,9 @@
 """Watching launched ranks: their output, their deaths, their stacks; and cleaning up.
 
-:mod:`dtlib.runtime.launch` starts processes; this module is what it uses to supervise them:
-whole lines of each rank's output with a ``[rank k]`` prefix, the first rank to fail
-(not the peers that merely lost their connection to it), where every rank was when a
-launch timed out, and killing the whole process tree afterwards.
+:mod:`dtlib.runtime.launch` starts processes; this module is what it uses to supervise
+them: whole lines of each rank's output with a ``[rank k]`` prefix, the first rank to
+fail (not the peers that merely lost their connection to it), where every rank was when
+a launch timed out, and killing the whole process tree afterwards.
 
 Taught in: Chapter 0, "Hello, distributed".
 """
@@ -23,12 +23,14 @@ from dtlib.runtime import diagnose, worker
 
 
 def threads_per_rank(nproc: int) -> int:
-    """CPU threads each rank may use so ``nproc`` ranks do not oversubscribe the cores."""
+    """CPU threads each rank may use so ``nproc`` ranks do not oversubscribe the
+    cores."""
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
 class LaunchError(RuntimeError):
-    """A rank failed. ``rank`` is the first failing rank, ``outputs`` every rank's text."""
+    """A rank failed. ``rank`` is the first failing rank, ``outputs`` every rank's
+    text."""
 
     def __init__(self, message: str, rank: int | None = None,
                  outputs: dict[int, str] | None = None) -> None:
@@ -76,7 +78,8 @@ class LaunchResult:
 
 
 class Supervisor:
-    """Tails per-rank logs, watches processes, and cleans up. Shared by both launchers."""
+    """Tails per-rank logs, watches processes, and cleans up. Shared by both
+    launchers."""
 
     def __init__(self, nproc: int, stream: bool, label: str | None,
                  script: str | None = None) -> None:
@@ -137,7 +140,8 @@ class Supervisor:
         return pids
 
     def collect_stacks(self, wait_s: float = 2.0) -> dict[int, str]:
-        """Ask every live rank for its Python stack (SIGUSR1, see dtlib.runtime.worker)."""
+        """Ask every live rank for its Python stack (SIGUSR1, see
+        dtlib.runtime.worker)."""
         pids = {r: p for r, p in self.rank_pids().items() if psutil.pid_exists(p)}
         for pid in pids.values():
             try:
@@ -205,7 +209,8 @@ class Supervisor:
             alive = r in pids and _alive(pids[r])
             exc = exceptions.get(r)
             if not alive and r not in finished and exc is not None:
-                report.append(diagnose.describe_raised_rank(r, exc, script, self.label)[0])
+                report.append(
+                    diagnose.describe_raised_rank(r, exc, script, self.label)[0])
                 continue
             report.append(diagnose.describe_hung_rank(
                 r, stacks.get(r), alive, script, self.label, finished=r in finished,
@@ -232,11 +237,12 @@ class Supervisor:
             detail = diagnose.tail(exc["traceback"])
         else:
             detail = diagnose.tail(texts.get(rank, "")) if rank is not None else ""
-        who = f"rank {rank} failed ({cause})" if rank is not None else f"launch failed ({cause})"
+        who = (f"rank {rank} failed ({cause})" if rank is not None
+               else f"launch failed ({cause})")
         others = self._others(rank) if rank is not None else []
         where = ("\nThe other ranks:\n  " + "\n  ".join(others)) if others else ""
-        return LaunchError(f"{who}; the other ranks were stopped.\n{detail}{where}", rank,
-                           texts)
+        return LaunchError(f"{who}; the other ranks were stopped.\n{detail}{where}",
+                           rank, texts)
 
     def _others(self, rank: int) -> list[str]:
         """Where the ranks other than ``rank`` were, from what they left behind."""

@@ -1,16 +1,19 @@
 """The first code every launched rank runs, before the reader's script.
 
-``dtlib.runtime.launch`` starts ranks as ``torchrun ... -m dtlib.runtime.worker SCRIPT ARGS`` (and
-``spawn`` calls :func:`prepare` directly). Before handing over to the script it:
+``dtlib.runtime.launch`` starts ranks as
+``torchrun ... -m dtlib.runtime.worker SCRIPT ARGS`` (and ``spawn`` calls
+:func:`prepare` directly). Before handing over to the script it:
 
-- sends the rank's stdout and stderr to one file per rank, so the launcher can print whole
-  lines with a ``[rank k]`` prefix instead of bytes from four processes interleaved;
+- sends the rank's stdout and stderr to one file per rank, so the launcher can print
+  whole lines with a ``[rank k]`` prefix instead of bytes from four processes
+  interleaved;
 - writes its pid, so the launcher can find it among torchrun's children;
-- registers :mod:`faulthandler` on SIGUSR1: when a launch times out, the launcher sends the
-  signal and every rank writes the Python stack it is stuck in. faulthandler was chosen over
-  py-spy because it is in the standard library, works without ptrace permissions (often
-  denied in containers), and dumps from inside the process even while a C++ collective
-  holds the thread (it runs in the signal handler, not at a bytecode boundary);
+- registers :mod:`faulthandler` on SIGUSR1: when a launch times out, the launcher sends
+  the signal and every rank writes the Python stack it is stuck in. faulthandler was
+  chosen over py-spy because it is in the standard library, works without ptrace
+  permissions (often denied in containers), and dumps from inside the process even
+  while a C++ collective holds the thread (it runs in the signal handler, not at a
+  bytecode boundary);
 - records an uncaught exception's type, message and frames, so the launcher can name the
   failing rank, its cause and the line it was on without parsing tracebacks;
 - sends back the script's top-level ``result`` variable, if any (``rank{k}.result``);
@@ -52,7 +55,8 @@ def prepare(log_dir: str, rank: int) -> None:
 
 def record_exception(log_dir: str, rank: int, exc: BaseException) -> None:
     """Write the exception's type, message and traceback for the launcher to read."""
-    # Drop the launcher's own frames (this file, runpy): the reader's code is what matters.
+    # Drop the launcher's own frames (this file, runpy): the reader's code is what
+    # matters.
     tb = [fr for fr in traceback.extract_tb(exc.__traceback__)
           if fr.filename != __file__ and "runpy" not in fr.filename]
     text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(tb))
@@ -91,7 +95,8 @@ def record_finish(log_dir: str, rank: int) -> None:
 def main(argv: list[str]) -> None:
     """Run ``argv[0]`` (a script path, or ``-m module``) as this rank's ``__main__``."""
     if not argv:
-        raise SystemExit("usage: python -m dtlib.runtime.worker SCRIPT [ARGS...] | -m MODULE [ARGS]")
+        raise SystemExit("usage: python -m dtlib.runtime.worker SCRIPT [ARGS...] "
+                         "| -m MODULE [ARGS]")
     log_dir = os.environ.get("DTLIB_LOG_DIR")
     rank = int(os.environ.get("RANK", "0"))
     if log_dir:
