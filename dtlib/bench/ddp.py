@@ -2,8 +2,8 @@
 
 ``python -m dtlib.bench ddp [--world-size 4] [--steps 5] [--json PATH]`` trains a GPT of
 about 10M parameters on gloo ranks with each variant in turn, in one launch, and reports
-the median step time of each (the slowest rank's: every timed step ends in a barrier) and
-its ratio to torch DDP measured in the same run. Target: overlapped <= 1.2x torch.
+the median step time of each (the slowest rank's: every timed step ends in a barrier)
+and its ratio to torch DDP measured in the same run. Target: overlapped <= 1.2x torch.
 
 Taught in: Chapter 3, "Three DDPs and torch's".
 """
