@@ -25,7 +25,7 @@ from dtlib.models.reference import gpt_batches
 from dtlib.models.run import Parallelism, run_steps
 from dtlib.parallel_nd import (build_grid_groups, data_shard, lines_along,
                                parallelism, rank_grid)
-from dtlib.parallel_nd.layouts import PpDp, TpDp
+from dtlib.parallel_nd.parallelism import PpDp, TpDp
 from dtlib.pipeline_parallel import PipelineParallel
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world

@@ -102,7 +102,7 @@ def _stale_gradients(batch: int, m: int, steps: int) -> dict:
     """A planted defect: the optimizer never zeroes the gradients (stale ones add)."""
     from dtlib.models.reference import gpt_batches
     from dtlib.models.run import run_steps
-    from dtlib.pipeline_parallel.pipelined import PipelineParallel
+    from dtlib.pipeline_parallel.parallelism import PipelineParallel
     from dtlib.runtime.dist import world
 
     class Stale(PipelineParallel):

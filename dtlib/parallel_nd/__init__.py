@@ -5,7 +5,7 @@
 - :mod:`~dtlib.parallel_nd.compose`: our tensor parallel inside our data parallel;
   our pipeline inside our data parallel; torch's FSDP2 x TP, HSDP and FSDP2 x PP
   on a ``DeviceMesh``.
-- :mod:`~dtlib.parallel_nd.layouts`: ``parallelism(layout, ...)``, each layout as a
+- :mod:`~dtlib.parallel_nd.parallelism`: ``parallelism(layout, ...)``, each layout as a
   :class:`~dtlib.models.run.Parallelism` for the one loop ``run_steps``.
 
 The planner that chooses the degrees is :mod:`dtlib.planner` (pure Python).
@@ -17,7 +17,7 @@ from dtlib.parallel_nd.compose import (average_across_replicas, data_shard,
                                        fsdp_pipeline_stage, fsdp_tp, hsdp,
                                        pipeline_stage_of, tp_inside_dp)
 from dtlib.parallel_nd.grid import GridGroups, build_grid_groups, lines_along, rank_grid
-from dtlib.parallel_nd.layouts import LAYOUTS, clip_grad_norm_nd, parallelism
+from dtlib.parallel_nd.parallelism import LAYOUTS, clip_grad_norm_nd, parallelism
 
 __all__ = ["rank_grid", "lines_along", "GridGroups", "build_grid_groups",
            "tp_inside_dp", "fsdp_tp", "hsdp", "data_shard", "pipeline_stage_of",

@@ -2,7 +2,7 @@
 
 - :mod:`~dtlib.pipeline_parallel.split`: cutting the GPT into balanced stages.
 - :mod:`~dtlib.pipeline_parallel.schedules`: GPipe and 1F1B, simulated and run.
-- :mod:`~dtlib.pipeline_parallel.pipelined`: ``parallelism(schedule, n_micro, ...)``,
+- :mod:`~dtlib.pipeline_parallel.parallelism`: ``parallelism(schedule, n_micro, ...)``,
   a schedule as the :class:`~dtlib.models.run.Parallelism` of the one loop.
 """
 
@@ -15,7 +15,7 @@ from dtlib.pipeline_parallel.schedules import (SCHEDULES, Event, StepResult,
                                                schedule_order, bubble_fraction,
                                                simulate, idle_fractions, in_flight_peak,
                                                pipeline_step)
-from dtlib.pipeline_parallel.pipelined import (VARIANTS, PipelineParallel, lm_loss,
+from dtlib.pipeline_parallel.parallelism import (VARIANTS, PipelineParallel, lm_loss,
                                                parallelism)
 
 __all__ = ["GPTStage", "split_gpt", "balanced_layers", "balance", "gpt_layer_costs",

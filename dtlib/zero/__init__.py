@@ -9,7 +9,7 @@
 - :mod:`~dtlib.zero.stage3`: stage 3, :class:`FullyShardedModule` whose parameters are
   this rank's shards (the shape of FSDP2), and its gather/free hooks.
 - :mod:`~dtlib.zero.fsdp`: torch's FSDP2 (``fully_shard``) as the chapter uses it.
-- :mod:`~dtlib.zero.parallel`: :func:`parallelism`, all of them for ``run_steps``.
+- :mod:`~dtlib.zero.parallelism`: :func:`parallelism`, all of them for ``run_steps``.
 - :mod:`~dtlib.zero.deepspeed_config`: writing and checking a DeepSpeed config.
 """
 
@@ -23,7 +23,7 @@ from dtlib.zero.flat_params import FlatLayout, assign_units, default_unit_module
 from dtlib.zero.fsdp import (fully_shard, MixedPrecisionPolicy, shard_fsdp2,
                              bf16_policy, fsdp_state_bytes, full_parameters,
                              DEEPSPEED_TO_FSDP)
-from dtlib.zero.parallel import parallelism
+from dtlib.zero.parallelism import parallelism
 from dtlib.zero.deepspeed_config import (TOP_LEVEL_KEYS, ZERO_KEYS, OFFLOAD_KEYS,
                                          PRECISIONS, DeepSpeedCheck, deepspeed_config,
                                          validate_deepspeed_config,

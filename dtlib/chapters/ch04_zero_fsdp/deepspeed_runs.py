@@ -31,7 +31,7 @@ from dtlib.chapters.ch04_zero_fsdp.runs import StateAfterStep, optimizer_of
 from dtlib.models import hf
 from dtlib.models.run import Batch, Parallelism, run_steps
 from dtlib.zero import parallelism
-from dtlib.zero.parallel import rows_of_rank
+from dtlib.data_parallel.parallelism import rows_of_rank
 from dtlib.zero.shards import storage_bytes
 
 __all__ = ["TINY_LLAMA", "VARIANTS", "DeepSpeedParallelism", "deepspeed_ds_config",

@@ -31,7 +31,7 @@ from dtlib.models.run import Batch, Parallelism, full_tensor, unwrap
 from dtlib.parallel_nd.compose import (average_across_replicas, data_shard, fsdp_tp,
                                        hsdp, tp_inside_dp)
 from dtlib.parallel_nd.grid import GridGroups
-from dtlib.pipeline_parallel.pipelined import PipelineParallel
+from dtlib.pipeline_parallel.parallelism import PipelineParallel
 from dtlib.tensor_parallel.gpt import full_tensors, tensor_parallelize
 from dtlib.zero.fsdp import fully_shard
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.data_parallel.parallelism import rows_of_rank
 from dtlib.models.run import Batch, Parallelism, full_tensor, tensors_by_name
 from dtlib.zero.fsdp import MixedPrecisionPolicy, fsdp_state_bytes, shard_fsdp2
 from dtlib.zero.optimizer import ShardedOptimizer
@@ -28,31 +29,6 @@ __all__ = ["parallelism", "ZeroParallelism", "FSDP2Parallelism", "VARIANTS",
            "rows_of_rank"]
 
 VARIANTS = ("ours", "fsdp2")
-
-
-def rows_of_rank(batch: Batch, rank: int, world_size: int) -> tuple[Any, ...]:
-    """This rank's rows of a global batch.
-
-    Args:
-        batch: a tuple of tensors with the same number of rows (and maybe other
-            items, e.g. a step number, passed as they are).
-        rank, world_size: this rank among the data-parallel ranks.
-    Returns:
-        Rows ``rank * b`` to ``(rank + 1) * b - 1`` of every tensor, ``b = rows /
-        world_size``.
-
-    Taught in: Chapter 3, "Equal to one process" (each rank its slice); Chapter 4.
-    """
-    out = []
-    for t in batch:
-        if torch.is_tensor(t):
-            if t.shape[0] % world_size:
-                raise ValueError(f"batch has {t.shape[0]} rows, not divisible by "
-                                 f"world_size={world_size}")
-            b = t.shape[0] // world_size
-            t = t[rank * b:(rank + 1) * b]
-        out.append(t)
-    return tuple(out)
 
 
 class _DataParallelRows(Parallelism):
