@@ -16,10 +16,6 @@ _NOTEBOOK_SECONDS: dict[str, float] = collections.defaultdict(float)
 
 # Every launch from this test session (and from subprocesses it starts) carries this
 # mark in its environment: other sessions' launches on the same machine are not ours.
-# Under pytest-xdist each worker is a session of its own (its launches are its own,
-# not its sibling's, which may be running at the same moment).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["DTLIB_LAUNCH_OWNER"] = f"{os.getpid()}-{os.environ['PYTEST_XDIST_WORKER']}"
 OWNER = os.environ.setdefault("DTLIB_LAUNCH_OWNER", str(os.getpid()))
 
 
