@@ -1,0 +1,167 @@
+"""Find the numbers a chapter's prose states without computing them.
+
+The book promises that every number in its prose comes from executed code. A number
+in a markdown cell is accounted for when it is
+
+- glued (``{glue:text}`name```), so the executed notebook supplies it;
+- inside code (`` `...` ``), math (``$...$``), a role or a link target: there it is
+  the name of something (``all_gather_single``, ``$2(N-1)/N$``, ``{doc}`02_...```);
+- part of a name: a format, a model, a technique, an index (``fp32``, ``E4M3``,
+  ``1F1B``, ``Llama-2 13B``, ``ZeRO-3``, ``Chapter 4``, ``rank 0``, ``stage 2``,
+  ``ERRATA 9``, a year in a citation);
+- or a phrase in the chapter's allow-list (``tests/prose_numbers/<notebook>.txt``),
+  one per line as ``phrase  # why``: a value the next cell sets (``4 ranks``), a
+  definition, or a published figure with its citation beside it.
+
+Every other digit-bearing phrase is a claim typed by hand, and
+``tests/test_prose_numbers.py`` fails on it, naming the notebook, the phrase and its
+sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ALLOW_DIR = os.path.join(HERE, "prose_numbers")
+
+# Spans whose digits are names, not claims: fenced code, inline code, display and
+# inline math, MyST roles with their argument, link targets, HTML comments, directive
+# option lines (":width: 80%") and labels ("(ch3-label)=").
+_SPANS = [
+    r"```.*?```", r"~~~.*?~~~", r"\$\$.*?\$\$", r"(?<!\\)\$[^$]+?(?<!\\)\$",
+    r"\{[a-z:\-]+\}`[^`]*`", r"`[^`]*`", r"\]\([^)]*\)", r"<!--.*?-->",
+    r"^:[a-z\-]+:.*$", r"^\([^)]*\)=\s*$", r"<[^>\n]+>",
+]
+_SPAN_RE = re.compile("|".join(f"(?:{s})" for s in _SPANS), re.S | re.M)
+
+# A number: digits with an optional decimal part, exponent, thousands separators,
+# and a sign. A word that mixes letters and digits (fp32, 1F1B, H100, 2D) is a name.
+_NUMBER = re.compile(
+    r"(?<![\w.\-])[-+−]?\d[\d,]*(?:\.\d+)?(?:[eE][-+−]?\d+)?(?:\s*[×x]\s*10\^?[-−]?\d+)?"
+    r"(?:[x×](?!\w))?(?![\w])")
+# What comes right before a number and makes it an index or a name.
+_NAME_BEFORE = re.compile(
+    r"(?:chapter|chapters|ch|§|section|sections|table|tables|figure|fig\.|eq\.|"
+    r"equation|errata|erratum|rank|ranks|stage|stages|step|steps|line|lines|cell|"
+    r"issue|version|torch|pytorch|python|deepspeed|transformers|nccl|cuda|sm|"
+    r"zero-|zero|stage-|llama-|llama|gpt-|gpt|mistral|qwen|t|layer|block|device|"
+    r"gpu|node|unit|units|micro-batch|bucket|no\.|part|level|dim|dimension|"
+    r"phase|round|epoch|algorithm|listing|appendix|item|defect|mistake|exercise)"
+    r"\s*[-–]?\s*$", re.I)
+_YEAR = re.compile(r"^(19|20)\d\d$")
+_NAME_AFTER = re.compile(r"^(?:\s*(?:st|nd|rd|th)\b|[.,]\w|-(?:bit|byte|way|D|d)\b)")
+# A count of ranks (or GPUs, nodes) is the world a cell sets up, not a result.
+_WORLD_AFTER = re.compile(r"^\s*(?:ranks?|processes|GPUs?|nodes?|devices|cores)\b")
+
+
+@dataclass(frozen=True)
+class Claim:
+    notebook: str
+    phrase: str   # the number with the word after it ("300 ms")
+    sentence: str  # where it stands, shortened
+
+    def __str__(self) -> str:
+        return f"{self.notebook}: {self.phrase!r} in: {self.sentence}"
+
+
+def _blank(match: re.Match) -> str:
+    """Replace a span by spaces of the same length (keeps positions and lines)."""
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
+def _markdown_cells(path: str) -> list[str]:
+    with open(path) as f:
+        nb = json.load(f)
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+
+
+def _sentence(text: str, start: int, end: int) -> str:
+    lo = max(text.rfind(". ", 0, start) + 2, text.rfind("\n\n", 0, start) + 2, 0)
+    hi_candidates = [i for i in (text.find(". ", end), text.find("\n\n", end))
+                     if i != -1]
+    hi = min(hi_candidates) if hi_candidates else len(text)
+    return " ".join(text[lo:hi + 1].split())[:160]
+
+
+def allowed(notebook: str) -> list[str]:
+    """The allow-list phrases of ``notebook`` (comments after ``#`` dropped)."""
+    path = os.path.join(ALLOW_DIR, os.path.splitext(notebook)[0] + ".txt")
+    if not os.path.exists(path):
+        return []
+    phrases = []
+    with open(path) as f:
+        for line in f:
+            phrase = line.split("#", 1)[0].strip()
+            if phrase:
+                phrases.append(phrase)
+    return phrases
+
+
+def claims_in_text(text: str, notebook: str, allow: list[str]) -> list[Claim]:
+    """The unaccounted digit-bearing phrases of one markdown text."""
+    if text.lstrip().startswith("#") and "\n" not in text.strip():
+        return []  # a heading cell: numbered titles only
+    raw = text
+    masked = _SPAN_RE.sub(_blank, text)
+    # Headings are titles ("## 3. Ring all-reduce"), not claims.
+    masked = re.sub(r"^#+ .*$", _blank, masked, flags=re.M)
+    flat = " ".join(raw.split())
+    found = []
+    for m in _NUMBER.finditer(masked):
+        start, end = m.span()
+        before = masked[max(0, start - 24):start]
+        if _NAME_BEFORE.search(before) or _NAME_AFTER.match(masked[end:end + 6]):
+            continue
+        if _WORLD_AFTER.match(masked[end:end + 12]):
+            continue
+        line_start = masked.rfind("\n", 0, start) + 1
+        if not masked[line_start:start].strip() and masked[end:end + 1] in ".)":
+            continue  # an enumerated list's "1."
+        number = m.group(0).strip()
+        if _YEAR.match(number.lstrip("+-−")):
+            continue
+        after = re.match(r"\s*([%\w/µ]+)?", masked[end:end + 24])
+        unit = after.group(1) if after and after.group(1) else ""
+        phrase = f"{number} {unit}".strip() if unit else number
+        sentence = _sentence(raw, start, end)
+        context = " ".join(raw[max(0, start - 60):end + 60].split())
+        if any(a in context or a in sentence or a in flat[:0] for a in allow):
+            continue
+        found.append(Claim(notebook, phrase, sentence))
+    return found
+
+
+def claims(notebook_path: str) -> list[Claim]:
+    """Every unaccounted digit-bearing phrase in the markdown of one notebook."""
+    name = os.path.basename(notebook_path)
+    allow = allowed(name)
+    out: list[Claim] = []
+    for text in _markdown_cells(notebook_path):
+        out.extend(claims_in_text(text, name, allow))
+    return out
+
+
+def all_claims() -> list[Claim]:
+    nb_dir = os.path.join(ROOT, "notebooks")
+    out: list[Claim] = []
+    for name in sorted(os.listdir(nb_dir)):
+        if name.endswith(".ipynb"):
+            out.extend(claims(os.path.join(nb_dir, name)))
+    return out
+
+
+if __name__ == "__main__":
+    import collections
+    import sys
+
+    found = all_claims()
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    for c in found:
+        if only in c.notebook:
+            print(c)
+    print(collections.Counter(c.notebook for c in found))
