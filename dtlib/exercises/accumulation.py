@@ -66,6 +66,12 @@ def _scale_on_rank(scale: Callable[[list[int]], float],
     return out
 
 
+#: One collective that brings every rank's count: the sum directly (all-reduce), or
+#: every count, summed locally (all-gather, any of its forms).
+ONE_COLLECTIVE = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor",
+                            "all_gather_single", "all_gather_object"})
+
+
 @checker
 def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
                               world_sizes: tuple[int, ...] = (2, 4)) -> None:
@@ -74,7 +80,8 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
     Each rank passes the real-token counts of its own micro-batches (this optimizer
     step) and gets the factor it multiplies each micro-batch's *summed* token loss by,
     so that after DDP averages the gradients they equal the large batch's mean loss.
-    A rank does not know the others' counts: it must ask them (one all-reduce).
+    A rank does not know the others' counts: it must ask them, with one collective
+    (an all-reduce of its count, or an all-gather of every rank's count).
     """
     for n in world_sizes:
         cases = tuple(c for c in SCALE_CASES if len(c) == n) + (
@@ -93,14 +100,17 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
                 # truth (T < 2**24 is exact); rel_tol=1e-6 allows 16 ulps, while
                 # the wrong normalisers are off by factors (1/T_r, 1/T).
                 if math.isclose(got, want, rel_tol=1e-6):
-                    if comms.count("all_reduce") > 1 or set(comms) - {"all_reduce"}:
-                        raise WrongAnswer(f"{where}: right, but it issues {comms}; "
-                                          "one all-reduce of one number is enough.")
+                    if len(comms) > 1 or set(comms) - ONE_COLLECTIVE:
+                        raise WrongAnswer(
+                            f"{where}: right, but it issues {comms}; one collective "
+                            "is enough: an all-reduce of the count, or an all-gather "
+                            "of every rank's count.")
                     continue
                 total, local = sum(map(sum, counts)), sum(counts[rank])
                 if not comms:
                     hint = ("this rank only knows its own tokens; the normaliser needs "
-                            "every rank's: sum them with one dist.all_reduce")
+                            "every rank's: sum them with one dist.all_reduce (or "
+                            "gather them with one dist.all_gather)")
                 elif local and math.isclose(got, 1 / local, rel_tol=1e-6):
                     hint = ("that is this rank's own count: DDP would average per-rank "
                             "means; all-reduce the count first")
@@ -112,4 +122,4 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
                 side = "too large" if got > want else "too small"
                 raise WrongAnswer(f"{where}: you gave {got!r}, {side}.", hint)
     passed(f"every rank computes world_size / (global token count) with one "
-           f"all-reduce, on {list(world_sizes)} ranks")
+           f"collective, on {list(world_sizes)} ranks")

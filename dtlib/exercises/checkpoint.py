@@ -6,6 +6,7 @@ crash-and-resume, the save function on real files with a real crash in the middl
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from typing import Any, Callable, Iterable
@@ -51,45 +52,106 @@ def check_resume_keys(keys: Iterable[str], total_steps: int = 10,
     passed(f"restoring {sorted(keys)} resumes the run bit for bit")
 
 
+def _digest(path: str) -> str | None:
+    """SHA-256 of the file at ``path``, None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def _fingerprint(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is written: its identity, size and modification."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _watched_save(save: Callable[[Any, str], Any], obj: Any, path: str
+                  ) -> list[str]:
+    """Run ``save(obj, path)`` with ``os.fsync``, ``os.replace`` and ``os.rename``
+    watched; return what is wrong with how it put ``path`` in place (empty: nothing).
+
+    At each rename onto ``path`` the source must be another file in ``path``'s
+    directory, fsynced as it is now (same inode, size and modification time: nothing
+    written after the fsync, the buffer flushed before it), and ``path`` must still
+    hold what it held before the save began (the old checkpoint never opened).
+    """
+    before = _digest(path)
+    synced: set[tuple[int, int, int, int]] = set()
+    problems: list[str] = []
+    onto_path = []
+    real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
+
+    def spy_fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.add(_fingerprint(os.fstat(fd)))
+
+    def judge(src: Any, dst: Any) -> None:
+        src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+        if dst != os.path.abspath(path):
+            return
+        onto_path.append(src)
+        if src == dst:
+            problems.append("path was renamed onto itself: the data went straight "
+                            "into the final file, so a crash tears it")
+        elif os.path.dirname(src) != os.path.dirname(dst):
+            problems.append(f"the temporary file {src} is not in the checkpoint's "
+                            "directory: os.replace is atomic only within one file "
+                            "system")
+        elif os.path.exists(src) and _fingerprint(os.stat(src)) not in synced:
+            problems.append("the temporary file was not fsynced, with its data "
+                            "flushed, before the rename (an fsync after the rename, "
+                            "or before the last write, leaves a power cut free to "
+                            "empty the new checkpoint)")
+        if _digest(dst) != before:
+            problems.append("the final path was written before the rename: the old "
+                            "checkpoint was already gone while the new one was "
+                            "being written")
+
+    def spy_replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        judge(src, dst)
+        real_replace(src, dst, *a, **k)
+
+    def spy_rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        judge(src, dst)
+        real_rename(src, dst, *a, **k)
+
+    with mock.patch("os.replace", spy_replace), \
+            mock.patch("os.rename", spy_rename), \
+            mock.patch("os.fsync", spy_fsync):
+        save(obj, path)
+    if not onto_path:
+        problems.append("path was not put in place by a rename "
+                        "(os.replace(tmp, path) or os.rename(tmp, path))")
+    return problems
+
+
 @checker
 def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
     """Check ``save(obj, path)``: afterwards ``path`` holds ``obj``; a crash during the
-    write leaves the previous ``path`` intact; the temporary file is fsynced, lives
-    in ``path``'s directory and is moved into place by a rename (``os.replace``, or
-    ``os.rename``, which POSIX also makes atomic; ``Path.replace``/``Path.rename`` call
-    them)."""
+    write leaves the previous ``path`` intact; the data goes to a temporary file in
+    ``path``'s directory (never to ``path`` itself), flushed and fsynced, which a
+    rename then moves onto ``path`` (``os.replace``, or ``os.rename``, which POSIX also
+    makes atomic; ``Path.replace``/``Path.rename`` call them). Saves onto a new path
+    and onto an existing one, with tensors of two sizes."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "step00000001.pt")
-        good = {"step": 1, "w": torch.arange(6.0)}
-        replaced: list[tuple[str, str]] = []
-        synced: list[int] = []
-        real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
-
-        def spy_replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
-            replaced.append((os.fspath(src), os.fspath(dst)))
-            real_replace(src, dst, *a, **k)
-
-        def spy_rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
-            replaced.append((os.fspath(src), os.fspath(dst)))
-            real_rename(src, dst, *a, **k)
-
-        def spy_fsync(fd: int) -> None:
-            synced.append(fd)
-            real_fsync(fd)
-
-        with mock.patch("os.replace", spy_replace), \
-                mock.patch("os.rename", spy_rename), \
-                mock.patch("os.fsync", spy_fsync):
-            save(good, path)
+        for step, numel in ((1, 6), (2, 1 << 16)):  # a new file, then over it
+            good = {"step": step, "w": torch.arange(float(numel))}
+            problems = _watched_save(save, good, path)
+            if problems:
+                raise WrongAnswer(f"save #{step}: " + "; ".join(problems) + ".",
+                                  "write to tempfile.mkstemp(dir=<path's directory>), "
+                                  "flush, os.fsync, then os.replace(tmp, path)")
+            try:
+                back = torch.load(path, weights_only=True)
+            except Exception as exc:
+                raise WrongAnswer(f"after save(obj, path), torch.load(path, "
+                                  f"weights_only=True) fails: {exc!r}") from None
+            if back["step"] != step or not torch.equal(back["w"], good["w"]):
+                raise WrongAnswer("the file at path does not hold the object saved")
         try:
-            back = torch.load(path, weights_only=True)
-        except Exception as exc:
-            raise WrongAnswer(f"after save(obj, path), torch.load(path, weights_only="
-                              f"True) fails: {exc!r}") from None
-        if back["step"] != 1 or not torch.equal(back["w"], good["w"]):
-            raise WrongAnswer("the file at path does not hold the object saved")
-        try:
-            save({"step": 2, "w": torch.zeros(6), "x": CrashDuringSave()}, path)
+            save({"step": 3, "w": torch.zeros(6), "x": CrashDuringSave()}, path)
         except SimulatedCrash:
             pass
         try:
@@ -99,19 +161,166 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
                 "a crash in the middle of save() destroyed the previous checkpoint: "
                 f"loading it now fails with {type(exc).__name__}. Hint: never open the "
                 "final path for writing; write elsewhere, then rename.") from None
-        if after["step"] != 1:
+        if after["step"] != 2:
             raise WrongAnswer(
                 "after a crashed save, path no longer holds the old state")
-        if not any(dst == path for _, dst in replaced):
-            raise WrongAnswer("path was not put in place by a rename "
-                              "(os.replace(tmp, path) or os.rename(tmp, path))")
-        src = next(s for s, dst in replaced if dst == path)
-        if os.path.dirname(os.path.abspath(src)) != os.path.dirname(path):
-            raise WrongAnswer(
-                f"the temporary file {src} is not in the checkpoint's directory: "
-                "os.replace is atomic only within one file system")
-        if not synced:
-            raise WrongAnswer("os.fsync was never called: after a power cut the "
-                              "renamed file may be empty. Flush and fsync before "
-                              "os.replace.")
     passed("save() is atomic: the old checkpoint survives a crash mid-write")
+
+
+# ---- build it: a sharded save and resume of a 2-rank FSDP2 run ----------------------
+
+def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective on every rank)."""
+    from dtlib.models.run import full_tensor
+
+    return {n: full_tensor(p.detach()).cpu().clone()
+            for n, p in model.named_parameters()}
+
+
+def _sharded_resume_on_rank(answers: list[tuple[Callable[..., Any], ...]],
+                            root: str, total: int, stop: int) -> list[dict[str, Any]]:
+    """On every rank: the uninterrupted run, then per answer a run saved by the
+    learner's ``save`` after ``stop`` steps, loaded by its ``load`` into a fresh job
+    with other weights and an empty optimizer, and trained to ``total``."""
+    from dtlib.chapters.ch09_checkpointing.sharded_runs import fsdp_model, fsdp_train
+
+    par, model, opt = fsdp_model(seed=0)
+    fsdp_train(par, model, opt, 0, total)
+    straight = _full_params(model)
+    out = []
+    for i, (save, load) in enumerate(answers):
+        directory = os.path.join(root, f"answer{i}")
+        par, model, opt = fsdp_model(seed=0)
+        fsdp_train(par, model, opt, 0, stop)
+        saved = _full_params(model)
+        save(model, opt, directory)
+        del model, opt  # the job "crashes": nothing survives but the directory
+        par, model, opt = fsdp_model(seed=1)
+        load(model, opt, directory)
+        loaded = _full_params(model)
+        fsdp_train(par, model, opt, stop, total - stop)
+        out.append({"straight": straight, "saved": saved, "loaded": loaded,
+                    "resumed": _full_params(model), "directory": directory})
+    return out
+
+
+def _one_process_read(directory: str, saved: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor] | str:
+    """The model's tensors read back by one process without a process group, as a
+    job of another world size would read them, or why that is impossible."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dtlib.checkpoint.sharded import dcp_load_full
+
+    try:
+        stored = FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception as exc:  # no .metadata: not a DCP checkpoint
+        return f"it has no DCP metadata ({type(exc).__name__})"
+    keys = {}
+    for name in saved:
+        match = [k for k in stored if k == name or k.endswith("." + name)]
+        if len(match) != 1:
+            return f"no single entry in it holds the parameter {name!r}"
+        keys[match[0]] = name
+    template = {k: torch.empty_like(saved[n]) for k, n in keys.items()}
+    dcp_load_full(directory, template)
+    return {n: template[k] for k, n in keys.items()}
+
+
+def _first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
+                      ) -> str | None:
+    """The first tensor that is not bit-for-bit equal, with its largest difference."""
+    for name in a:
+        if name not in b or not torch.equal(a[name], b[name]):
+            diff = ((a[name] - b[name]).abs().max().item() if name in b
+                    and a[name].shape == b[name].shape else float("nan"))
+            return f"{name} (max abs difference {diff:.3g})"
+    return None
+
+
+def _verdict(res: dict[str, Any]) -> WrongAnswer | None:
+    """What is wrong with one answer's run (None: nothing)."""
+    wrong = _first_difference(res["saved"], res["loaded"])
+    if wrong:
+        return WrongAnswer(
+            f"after load the fresh job's weights are not the saved ones: {wrong}.",
+            "a rank holds only its shard: every rank must save and every rank must "
+            "load (dcp.save / dcp.load), and the loaded state dict must be put back "
+            "into the model (set_state_dict)")
+    read = _one_process_read(res["directory"], res["saved"])
+    if isinstance(read, str) or _first_difference(res["saved"], read):
+        why = read if isinstance(read, str) else (
+            "its tensors differ: " + str(_first_difference(res["saved"], read)))
+        return WrongAnswer(
+            f"one process cannot read the checkpoint's model back: {why}. A "
+            "checkpoint that only the same 2 ranks can read cannot resume on another "
+            "world size.",
+            "save with torch.distributed.checkpoint (dcp.save), which writes the "
+            "global layout of every tensor to .metadata")
+    wrong = _first_difference(res["straight"], res["resumed"])
+    if wrong:
+        return WrongAnswer(
+            f"the weights load, but the resumed run is not the uninterrupted one: "
+            f"{wrong}.",
+            "AdamW's moments and step count are training state too: save and load "
+            "the optimizer's state dict with the model's")
+    return None
+
+
+def judge_sharded_resume(answers: list[tuple[Callable[..., Any], Callable[..., Any]]],
+                         total_steps: int = 4, stop_at: int = 2
+                         ) -> list[WrongAnswer | None]:
+    """Run several ``(save, load)`` answers in one 2-rank launch (see
+    :func:`check_sharded_resume`) and judge each.
+
+    Args:
+        answers: ``(save, load)`` pairs; none may raise (a rank that fails stops
+            the launch, and the launch's report becomes the WrongAnswer of all).
+        total_steps: steps of the uninterrupted run.
+        stop_at: the step after which each answer saves.
+    Returns:
+        Per answer, the WrongAnswer it earns, or None when it is right.
+
+    Taught in: Chapter 9, "Sharded state".
+    """
+    from dtlib.runtime import launch
+
+    if not 0 < stop_at < total_steps:
+        raise ValueError(f"stop_at={stop_at} must be in (0, total_steps="
+                         f"{total_steps})")
+    with tempfile.TemporaryDirectory() as root:
+        def rank_main() -> list[dict[str, Any]]:
+            return _sharded_resume_on_rank(answers, root, total_steps, stop_at)
+
+        try:
+            ranks = launch.spawn(rank_main, 2, timeout=120, stream=False)
+        except launch.LaunchError as exc:
+            failed = WrongAnswer(
+                f"your save or load failed on a rank:\n{exc}",
+                "every rank calls get_state_dict(model, optimizer), then dcp.save("
+                "{'model': ..., 'optim': ...}, checkpoint_id=directory); load builds "
+                "the same dict from the fresh job, dcp.load(...) fills it in place, "
+                "set_state_dict puts it back")
+            return [failed] * len(answers)
+        return [_verdict(res) for res in ranks[0]]
+
+
+@checker
+def check_sharded_resume(save: Callable[[Any, Any, str], Any],
+                         load: Callable[[Any, Any, str], Any], total_steps: int = 4,
+                         stop_at: int = 2) -> None:
+    """Check ``save(model, optimizer, directory)`` and ``load(model, optimizer,
+    directory)`` on 2 real ranks of an FSDP2 job (every parameter and AdamW moment a
+    DTensor shard).
+
+    The run trains ``total_steps`` straight; again, saved after ``stop_at`` steps,
+    loaded into a fresh job with other weights and an empty optimizer, and trained to
+    the end. The loaded weights must be the saved ones, the resumed run the straight
+    one, bit for bit, and one process without a process group (a job of another world
+    size) must read every parameter back from the directory.
+    """
+    wrong = judge_sharded_resume([(save, load)], total_steps, stop_at)[0]
+    if wrong is not None:
+        raise wrong
+    passed("every rank saves its shards with DCP, a fresh 2-rank job resumes bit for "
+           "bit, and one process reads the same checkpoint")

@@ -7,7 +7,6 @@ Taught in: Chapter 9, "Sharded checkpoints".
 from __future__ import annotations
 
 import os
-from functools import partial
 from typing import Any
 
 import torch
@@ -23,21 +22,51 @@ from dtlib.models.run import full_tensor, local_tensor, run_steps
 from dtlib.models.sizes import size
 from dtlib.runtime.dist import world
 
-__all__ = ["FSDP_CFG", "fsdp_save_both", "fsdp_load_both"]
+__all__ = ["FSDP_CFG", "fsdp_model", "fsdp_train", "fsdp_save_both", "fsdp_load_both"]
 
 #: The model the sharded demos use (untied head: every parameter one DTensor).
 FSDP_CFG = size("tiny-untied")
 
 
-def _fsdp_job(seed: int, train_steps: int) -> tuple[torch.nn.Module, Any]:
-    """FSDP2 on every rank, trained ``train_steps`` steps (each rank its rows of a
-    global batch of 8) so that the optimizer has moments worth saving."""
+def fsdp_model(seed: int) -> tuple[Any, torch.nn.Module, Any]:
+    """A fresh FSDP2 job on every rank: its Parallelism, model and AdamW.
+
+    Args:
+        seed: the model's initial weights.
+    Returns:
+        ``(par, model, optimizer)``; the optimizer has no state until its first step.
+
+    Taught in: Chapter 9, "Sharded state".
+    """
     w = world()
     par = zero.parallelism(3, variant="fsdp2")
     model = par.apply(build_gpt(FSDP_CFG, seed).to(w.device))
-    opt = par.make_optimizer(model, torch.optim.AdamW, lr=1e-2)
-    run_steps(par, model, partial(_batch, w.device), train_steps, wrapped=model,
-              optimizer=opt, record_grads=False, record_params=False)
+    return par, model, par.make_optimizer(model, torch.optim.AdamW, lr=1e-2)
+
+
+def fsdp_train(par: Any, model: torch.nn.Module, opt: Any, first_step: int,
+               steps: int) -> None:
+    """Train ``steps`` steps from step ``first_step`` (each rank its rows of a global
+    batch of 8, drawn from the step's index, so a resumed job sees what the
+    uninterrupted one saw).
+
+    Args:
+        par, model, opt: :func:`fsdp_model`'s job.
+        first_step: index of the first step (0 for a fresh run).
+        steps: optimizer steps to take.
+
+    Taught in: Chapter 9, "Sharded state".
+    """
+    device = world().device
+    run_steps(par, model, lambda step: _batch(device, first_step + step), steps,
+              wrapped=model, optimizer=opt, record_grads=False, record_params=False)
+
+
+def _fsdp_job(seed: int, train_steps: int) -> tuple[torch.nn.Module, Any]:
+    """FSDP2 on every rank, trained ``train_steps`` steps so that the optimizer has
+    moments worth saving."""
+    par, model, opt = fsdp_model(seed)
+    fsdp_train(par, model, opt, 0, train_steps)
     return model, opt
 
 

@@ -1,0 +1,242 @@
+"""Chapters 8 and 9: the build-on-ranks checkers reject each kind of wrong answer and
+accept the valid alternatives.
+
+Ranks are expensive on two cores: each test group shares one launch (several answers
+judged in one 2-rank job where the checker allows it).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict,
+                                                     set_state_dict)
+
+from dtlib.exercises import WrongAnswer
+from dtlib.exercises.accumulation import check_loss_scale_on_ranks
+from dtlib.exercises.checkpoint import (check_atomic_save, check_sharded_resume,
+                                        judge_sharded_resume)
+
+
+# ---- Chapter 8: the normaliser through one all-gather is accepted ----
+
+def _scale_by_all_gather(local_tokens):
+    mine = torch.tensor([sum(local_tokens)])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return dist.get_world_size() / float(torch.cat(every).sum())
+
+
+def _scale_two_all_reduces(local_tokens):
+    total = torch.tensor(float(sum(local_tokens)))
+    dist.all_reduce(total)
+    dist.all_reduce(torch.zeros(1))  # a needless second collective
+    return dist.get_world_size() / total.item()
+
+
+def test_loss_scale_accepts_all_gather(capsys) -> None:
+    check_loss_scale_on_ranks(_scale_by_all_gather, world_sizes=(2,))
+    assert "Correct" in capsys.readouterr().out
+
+
+def test_loss_scale_rejects_a_second_collective() -> None:
+    with pytest.raises(WrongAnswer, match="one collective is enough"):
+        check_loss_scale_on_ranks(_scale_two_all_reduces, world_sizes=(2,))
+
+
+# ---- Chapter 9: atomic save, judged by what it does to the files ----
+
+def _save_mkstemp_replace(obj, path):
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_pathlib_rename(obj, path):
+    from pathlib import Path
+
+    tmp = Path(path).with_suffix(".part")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)  # calls os.rename
+
+
+def _save_onto_itself(obj, path):
+    buf = io.BytesIO()
+    torch.save(obj, buf)  # a crash here leaves the old file alone...
+    with open(path, "wb") as f:  # ...but this truncates it
+        f.write(buf.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path, path)
+
+
+def _save_fsync_after_rename(obj, path):
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+    os.replace(tmp, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # too late: the rename may reach the disk before the data
+    os.close(fd)
+
+
+def _save_unflushed(obj, path):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue()[:100])
+        os.fsync(f.fileno())  # the tail below is still in Python's buffer
+        f.write(buf.getvalue()[100:])
+    os.replace(tmp, path)
+
+
+def _save_final_first(obj, path):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(path, "wb") as f:  # the old checkpoint is gone from here on
+        f.write(buf.getvalue())
+    _save_mkstemp_replace(obj, path)
+
+
+def _save_other_directory(obj, path):
+    fd, tmp = tempfile.mkstemp()  # /tmp: maybe another file system
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("save", [_save_mkstemp_replace, _save_pathlib_rename])
+def test_atomic_save_accepts(save, capsys) -> None:
+    check_atomic_save(save)
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("save, message", [
+    (_save_onto_itself, "renamed onto itself"),
+    (_save_fsync_after_rename, "not fsynced"),
+    (_save_unflushed, "not fsynced, with its data flushed"),
+    (_save_final_first, "final path was written before the rename"),
+    (_save_other_directory, "not in the checkpoint's directory"),
+])
+def test_atomic_save_rejects(save, message) -> None:
+    with pytest.raises(WrongAnswer, match=message):
+        check_atomic_save(save)
+
+
+# ---- Chapter 9: a sharded save and resume on 2 ranks ----
+
+def _dcp_save(model, optimizer, directory):
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
+
+
+def _dcp_load(model, optimizer, directory):
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def _dcp_save_nested(model, optimizer, directory):
+    """Other top-level names: also valid, the checker finds the parameters."""
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"app": {"weights": msd, "adam": osd}}, checkpoint_id=directory)
+
+
+def _dcp_load_nested(model, optimizer, directory):
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"app": {"weights": msd, "adam": osd}}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["app"]["weights"],
+                   optim_state_dict=state["app"]["adam"])
+
+
+def _dcp_model_only(model, optimizer, directory):
+    dcp.save({"model": get_state_dict(model, optimizer)[0]}, checkpoint_id=directory)
+
+
+def _dcp_load_model_only(model, optimizer, directory):
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state["model"])
+
+
+def _per_rank_save(model, optimizer, directory):
+    os.makedirs(directory, exist_ok=True)
+    torch.save({"m": model.state_dict(), "o": optimizer.state_dict()},
+               os.path.join(directory, f"rank{dist.get_rank()}.pt"))
+
+
+def _per_rank_load(model, optimizer, directory):
+    state = torch.load(os.path.join(directory, f"rank{dist.get_rank()}.pt"),
+                       weights_only=False)
+    model.load_state_dict(state["m"])
+    optimizer.load_state_dict(state["o"])
+
+
+def _load_without_set(model, optimizer, directory):
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": {k: v.clone() for k, v in msd.items()}, "optim": osd}
+    dcp.load(state, checkpoint_id=directory)  # fills copies the model never sees
+
+
+@pytest.fixture(scope="module")
+def sharded_verdicts():
+    """One 2-rank launch judges every answer that does not raise."""
+    answers = {"dcp": (_dcp_save, _dcp_load),
+               "nested": (_dcp_save_nested, _dcp_load_nested),
+               "model_only": (_dcp_model_only, _dcp_load_model_only),
+               "per_rank": (_per_rank_save, _per_rank_load),
+               "not_set": (_dcp_save, _load_without_set)}
+    return dict(zip(answers, judge_sharded_resume(list(answers.values()))))
+
+
+@pytest.mark.parametrize("name", ["dcp", "nested"])
+def test_sharded_resume_accepts(sharded_verdicts, name) -> None:
+    assert sharded_verdicts[name] is None
+
+
+@pytest.mark.parametrize("name, message", [
+    ("model_only", "resumed run is not the uninterrupted one"),
+    ("per_rank", "one process cannot read the checkpoint's model back"),
+    ("not_set", "weights are not the saved ones"),
+])
+def test_sharded_resume_rejects(sharded_verdicts, name, message) -> None:
+    assert sharded_verdicts[name] is not None
+    assert message in str(sharded_verdicts[name])
+
+
+def _rank0_save(model, optimizer, directory):
+    os.makedirs(directory, exist_ok=True)
+    if dist.get_rank() == 0:  # ERRATA 40: rank 0 writes only the shards it holds
+        torch.save({"m": model.state_dict()}, os.path.join(directory, "model.pt"))
+    dist.barrier()
+
+
+def _rank0_load(model, optimizer, directory):
+    model.load_state_dict(torch.load(os.path.join(directory, "model.pt"),
+                                     weights_only=False)["m"])
+
+
+def test_sharded_resume_checker_rejects_a_rank0_save() -> None:
+    with pytest.raises(WrongAnswer) as info:
+        check_sharded_resume(_rank0_save, _rank0_load)
+    assert "every rank must save" in str(info.value) + str(info.value.hint) or \
+        "failed on a rank" in str(info.value)
