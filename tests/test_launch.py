@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtlib.runtime import dist as ddist, launch
+from dtlib.runtime import dist as ddist, launch, supervise
 
 
 def _rank_and_sum() -> tuple[int, int, float, str]:
@@ -104,6 +104,7 @@ def test_torchrun_streams_whole_prefixed_lines(tmp_path, capsys) -> None:
 DEADLOCK = """
     import time, torch, torch.distributed as dist
     from dtlib.runtime import dist as ddist
+    time.sleep(3)  # a slow start-up: the timeout must not count it
     world = ddist.init()
     t = torch.ones(1)
     if world.rank == 0:
@@ -114,20 +115,23 @@ DEADLOCK = """
 
 
 # Four ranks only: the report's per-rank lines are the same code for any count, and a
-# two-rank hang is already reported through spawn above (each case waits the whole
-# timeout, so a second world size costs 30 s and proves nothing new).
+# two-rank hang is already reported through spawn above.
 @pytest.mark.parametrize("nproc", [4])
 def test_torchrun_deadlock_is_stopped_and_reported(tmp_path, nproc, no_leftovers) -> None:
     script = _script(tmp_path, DEADLOCK)
     start = time.monotonic()
     with pytest.raises(launch.LaunchTimeout) as info:
-        # 30 s: on a loaded two-core machine four ranks can take 15 s to import torch.
-        launch.torchrun(script, nproc=nproc, timeout=30, stream=False)
-    assert time.monotonic() - start < 60
+        # The 4 s count from the moment the last rank joined, so the import of torch
+        # (up to 15 s for four ranks on a loaded two-core machine) and the 3 s sleep
+        # before joining never eat into them.
+        launch.torchrun(script, nproc=nproc, timeout=4, stream=False)
+    elapsed = time.monotonic() - start
+    assert 3 + 4 < elapsed < supervise.STARTUP_S + 4 + 15, elapsed
+    assert "4 s after every rank had joined the world" in str(info.value)
     report = info.value.report
-    assert report[0].startswith("rank 0: in all_reduce at script.py line 7")
+    assert report[0].startswith("rank 0: in all_reduce at script.py line 8")
     for r in range(1, nproc):
-        assert report[r].startswith(f"rank {r}: at script.py line 9: time.sleep(600)")
+        assert report[r].startswith(f"rank {r}: at script.py line 10: time.sleep(600)")
     assert "collective mismatch" in str(info.value)
 
 

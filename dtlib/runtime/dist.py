@@ -230,10 +230,21 @@ def init(
         # and exits must not make a slow peer fail inside init, where no report can
         # say which of the reader's collectives it was waiting for.
         dist.barrier()
+    _note_joined(rank)  # a launch's timeout starts once every rank is here
     # Leaving without destroying the group makes some torch versions abort at exit
     # ("terminate called without an active exception"); a script need not remember.
     atexit.register(destroy)
     return World(rank, local_rank, world_size, backend, device)
+
+
+def _note_joined(rank: int) -> None:
+    """Tell the dtlib launcher that started this rank (if any) that it has joined:
+    ``rank{k}.joined`` in its log folder. The launch's timeout counts from the moment
+    every rank has joined, so importing torch and the rendezvous never eat into it."""
+    log_dir = os.environ.get("DTLIB_LOG_DIR")
+    if log_dir and os.path.isdir(log_dir):
+        with open(os.path.join(log_dir, f"rank{rank}.joined"), "w") as f:
+            f.write("joined\n")
 
 
 def sync(device: torch.device | str | None = None) -> None:

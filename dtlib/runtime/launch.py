@@ -64,7 +64,9 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
         target: a script path, or a module name with ``module=True``.
         *args: command-line arguments for the script.
         nproc: ranks to start (default :func:`default_nproc`).
-        timeout: seconds before every rank is stopped and :class:`LaunchTimeout` raised.
+        timeout: seconds the ranks may run once every rank has joined the world
+            (start-up gets up to ``STARTUP_S`` more) before every rank is stopped and
+            :class:`LaunchTimeout` raised.
         module: run ``target`` as ``python -m target``.
         stream: print each rank's lines live, prefixed ``[rank k]``.
         label: how to name lines of the script in reports ("cell line 7").
@@ -112,7 +114,7 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
                     if time.monotonic() - settled_at > 0.5:
                         raise sup.root_cause_error(
                             diagnose.torchrun_exit_codes("".join(agent_out)))
-                if time.monotonic() - start > timeout:
+                if sup.past_deadline(timeout):
                     sup.pump()
                     raise sup.timeout_error(timeout, script)
                 time.sleep(_POLL_S)
@@ -174,7 +176,8 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int,
                  conn: Any) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DTLIB_LAUNCHED="1")
+                      MASTER_PORT=str(port), DTLIB_LAUNCHED="1",
+                      DTLIB_LOG_DIR=log_dir)
     worker.prepare(log_dir, rank)
     torch.set_num_threads(threads_per_rank(world_size))
     from dtlib.runtime import dist as ddist
@@ -253,7 +256,9 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
             sent by name; one defined in a notebook cell (or a lambda, a closure) is
             sent by value with cloudpickle, so a learner can edit and rerun it.
         world_size: number of ranks (default :func:`default_nproc`).
-        timeout: seconds before all ranks are stopped and :class:`LaunchTimeout` raised.
+        timeout: seconds the ranks may run once every rank has joined the world
+            (start-up gets up to ``STARTUP_S`` more) before all ranks are stopped and
+            :class:`LaunchTimeout` raised.
         backend: force ``"gloo"`` or ``"nccl"``.
         stream: print the ranks' output live, prefixed ``[rank k]``.
     Returns:
@@ -301,7 +306,7 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
                     for r in codes:
                         sup.deaths.setdefault(r, time.time())
                     raise sup.root_cause_error(codes)
-                if time.monotonic() - start > timeout:
+                if sup.past_deadline(timeout):
                     sup.pump()
                     raise sup.timeout_error(timeout, None)
                 time.sleep(_POLL_S)

@@ -38,7 +38,7 @@ class TorchrunMagics(Magics):
     @argument("-n", "--nproc", type=int, default=None,
               help="ranks to start (default: GPUs, else 4)")
     @argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S,
-              help="seconds before every rank is stopped")
+              help="seconds the ranks may run once all have joined the world")
     @argument("--quiet", action="store_true", help="do not stream the ranks' output")
     @argument("args", nargs="*", help="arguments passed to the cell as sys.argv[1:]")
     @cell_magic

@@ -22,6 +22,11 @@ import psutil
 from dtlib.runtime import diagnose, worker
 
 
+#: Seconds a launch may spend starting (importing torch, joining the world) before its
+#: timeout starts counting. See :meth:`Supervisor.past_deadline`.
+STARTUP_S = 60.0
+
+
 def threads_per_rank(nproc: int) -> int:
     """CPU threads each rank may use so ``nproc`` ranks do not oversubscribe the
     cores."""
@@ -92,6 +97,27 @@ class Supervisor:
         self._partial = [b""] * nproc
         self.outputs: dict[int, list[str]] = {r: [] for r in range(nproc)}
         self.deaths: dict[int, float] = {}
+        self.start = time.monotonic()
+        self.joined_at: float | None = None  # when every rank had joined the world
+
+    def past_deadline(self, timeout: float) -> bool:
+        """Whether the launch has run out of time.
+
+        The ``timeout`` seconds count from the moment every rank has joined the world
+        (``dtlib.runtime.dist.init`` writes ``rank{k}.joined``): how long a rank takes
+        to import torch and meet its peers depends on the machine and its load, and
+        must not eat into the time a reader gives a collective. Start-up itself gets
+        up to ``STARTUP_S`` more; a script that never calls ``dist.init`` therefore
+        has ``STARTUP_S + timeout`` in all.
+        """
+        now = time.monotonic()
+        if self.joined_at is None and all(
+                os.path.exists(os.path.join(self.log_dir, f"rank{r}.joined"))
+                for r in range(self.nproc)):
+            self.joined_at = now
+        began = self.start + STARTUP_S if self.joined_at is None else min(
+            self.joined_at, self.start + STARTUP_S)
+        return now - began > timeout
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -225,7 +251,9 @@ class Supervisor:
     def timeout_error(self, timeout: float, script: str | None) -> LaunchTimeout:
         report, stacks = self.where_each_rank_is(script)
         mismatch = diagnose.mismatch_summary(stacks, script)
-        msg = (f"launch timed out after {timeout:g} s; the ranks were stopped.\n"
+        when = ("after every rank had joined the world" if self.joined_at is not None
+                else f"after {STARTUP_S:g} s of start-up (not every rank joined)")
+        msg = (f"launch timed out {timeout:g} s {when}; the ranks were stopped.\n"
                "Where each rank was:\n  " + "\n  ".join(report) + "\n"
                + (mismatch + "\n" if mismatch else "") + diagnose.HANG_HINT)
         return LaunchTimeout(msg, report, self.texts())

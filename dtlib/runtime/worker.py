@@ -18,7 +18,10 @@
   failing rank, its cause and the line it was on without parsing tracebacks;
 - sends back the script's top-level ``result`` variable, if any (``rank{k}.result``);
 - records a normal finish (``rank{k}.done``), so a rank that exited 0 while its peers
-  still waited in a collective is reported as "finished", never as "died".
+  still waited in a collective is reported as "finished", never as "died";
+- and ``dtlib.runtime.dist.init`` notes when the rank has joined the world
+  (``rank{k}.joined``): a launch's timeout counts from the moment every rank has
+  joined, so start-up (importing torch, the rendezvous) never eats into it.
 """
 
 from __future__ import annotations
