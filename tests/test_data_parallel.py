@@ -362,55 +362,7 @@ def test_validation(suite) -> None:
 
 # ---- exercise checkers: each accepts the right answer and rejects wrong ones ------
 
-def summing_hook(group, bucket):
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
-
-
-def silent_hook(group, bucket):
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-def test_bucket_hook_checker_names_the_wrong_sum_and_the_silent_hook() -> None:
-    from dtlib.exercises import WrongAnswer
-    from dtlib.exercises.data_parallel import check_bucket_hook
-
-    # A right hook is accepted in test_exercises.py (with the synchronous ones).
-    with pytest.raises(WrongAnswer, match="world_size times too large"):
-        check_bucket_hook(summing_hook)
-    with pytest.raises(WrongAnswer, match="0 all-reduce calls"):
-        check_bucket_hook(silent_hook)
-
-
-def test_epoch_orders_checker(capsys) -> None:
-    from torch.utils.data import DistributedSampler
-
-    from dtlib.exercises import WrongAnswer
-    from dtlib.exercises.data_parallel import check_epoch_orders
-
-    def right(n, world_size, rank, epochs):
-        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank)
-        out = []
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            out.append(list(sampler))
-        return out
-
-    def forgot_set_epoch(n, world_size, rank, epochs):
-        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank)
-        return [list(sampler) for _ in range(epochs)]
-
-    def no_rank(n, world_size, rank, epochs):
-        return right(n, 1, 0, epochs)
-
-    check_epoch_orders(right)
-    assert "Correct" in capsys.readouterr().out
-    with pytest.raises(WrongAnswer, match="set_epoch"):
-        check_epoch_orders(forgot_set_epoch)
-    with pytest.raises(WrongAnswer, match="every sample once"):
-        check_epoch_orders(no_rank)
+# The bucket hook and the sampler checkers: tests/test_exercises_ch03_ch04.py.
 
 
 def test_sampler_padding_counts_a_sample_twice() -> None:

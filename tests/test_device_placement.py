@@ -5,8 +5,8 @@ marks every tensor made without ``device=`` as *host* (where it would land on a 
 node), and records each collective or point-to-point call given a host tensor and each
 compute op mixing host and device tensors. The rank functions of chapters 2-6 and the
 benchmarks (what the GPU suite runs), and the ``%%torchrun`` cells of chapters 0 and 2
-that are meant to succeed, must produce no record. The first test shows the check
-fails on the mistakes it is for. What it cannot see is said in :mod:`device_check`'s
+that are meant to succeed (all in one spawned world, then the capstone), must produce
+no record. The first test shows the check fails on the mistakes it is for. What it cannot see is said in :mod:`device_check`'s
 docstring; the cells that fail on purpose (a deadlock, a crash) are not run.
 """
 
@@ -124,46 +124,60 @@ def torchrun_cells(notebook: str) -> list[str]:
             and "raises-exception" not in c.get("metadata", {}).get("tags", [])]
 
 
-PROLOGUE = (
-    "import os, sys\n"
-    "sys.path.insert(0, {here!r})\n"
-    "import device_check\n"
-    "device_check.install(report=os.path.join({out!r}, os.environ['RANK'] + '.json'))\n"
-)
+def cells_and_capstone(cells: dict[str, list[str]], argvs: dict[str, list[str]]
+                       ) -> dict[str, list]:
+    """On every rank: each ``%%torchrun`` cell in a fresh namespace, then the capstone
+    (``python -m dtlib.train ARGV``) for each strategy; the violations of each.
+
+    A cell's ``ddist.init()`` returns the world this rank already joined, so one launch
+    runs them all: the device rules do not depend on the launcher.
+    """
+    from dtlib.train import loop
+
+    out: dict[str, list] = {}
+    start = len(device_check.violations)
+    for name, sources in cells.items():
+        out[name] = []
+        for k, source in enumerate(sources):
+            exec(compile(source, f"<{name} cell {k}>", "exec"), {"__name__": "__main__"})
+            out[name].append(device_check.violations[start:])
+            start = len(device_check.violations)
+    for name, argv in argvs.items():
+        loop.main(argv)  # trains, and saves a checkpoint at step 2
+        out[name] = [device_check.violations[start:]]
+        start = len(device_check.violations)
+    return out
 
 
-@pytest.mark.parametrize("notebook", ["00_hello_distributed.ipynb",
-                                      "02_collectives.ipynb"])
-def test_torchrun_cells_keep_every_tensor_on_the_device(notebook, tmp_path):
+NOTEBOOKS = ["00_hello_distributed.ipynb", "02_collectives.ipynb"]
+STRATEGIES = ["ddp", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def placement(tmp_path_factory) -> list[dict[str, list]]:
     from dtlib.bench.launch import HELLO
 
-    cells = torchrun_cells(notebook) + ([HELLO] if notebook.startswith("00") else [])
-    assert cells, f"{notebook} has no %%torchrun cell that should succeed"
-    for k, cell in enumerate(cells):
-        out = tmp_path / f"cell{k}"
-        out.mkdir()
-        script = tmp_path / f"cell{k}.py"
-        script.write_text(PROLOGUE.format(here=HERE, out=str(out)) + cell)
-        launch.torchrun(script, nproc=2, timeout=120, stream=False)
-        for rank in range(2):
-            found = json.loads((out / f"{rank}.json").read_text())
-            assert found == [], f"cell {k} of {notebook}, rank {rank}: {found}"
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    cells = {nb: torchrun_cells(nb) for nb in NOTEBOOKS}
+    cells[NOTEBOOKS[0]].append(HELLO)
+    argvs = {s: ["--steps", "3", "--micro-batch", "2", "--dataset-size", "64",
+                 "--log-every", "3", "--save-every", "2", "--strategy", s,
+                 "--ckpt-dir", str(ckpt / s)] for s in STRATEGIES}
+    results = launch.spawn(device_check.checked, 2, cells_and_capstone, cells, argvs,
+                           timeout=240, stream=False)
+    return [r["value"] for r in results]
 
 
-CAPSTONE = (
-    "import runpy\n"
-    "sys.argv = ['dtlib.train', '--steps', '3', '--micro-batch', '2', '--dataset-size',"
-    " '64', '--log-every', '3', '--save-every', '2', '--strategy', {strategy!r},"
-    " '--ckpt-dir', {ckpt!r}]\n"
-    "runpy.run_module('dtlib.train', run_name='__main__')\n"
-)
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_torchrun_cells_keep_every_tensor_on_the_device(notebook, placement):
+    assert torchrun_cells(notebook), f"{notebook} has no %%torchrun cell that succeeds"
+    for rank, found in enumerate(placement):
+        assert len(found[notebook]) >= len(torchrun_cells(notebook))
+        for k, cell in enumerate(found[notebook]):
+            assert cell == [], f"cell {k} of {notebook}, rank {rank}: {cell}"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_capstone_keeps_every_tensor_on_the_device(strategy, tmp_path):
-    script = tmp_path / "capstone.py"
-    script.write_text(PROLOGUE.format(here=HERE, out=str(tmp_path))
-                      + CAPSTONE.format(strategy=strategy, ckpt=str(tmp_path / "ckpt")))
-    launch.torchrun(script, nproc=2, timeout=180, stream=False)
-    for rank in range(2):  # training, and a checkpoint saved at step 2
-        assert json.loads((tmp_path / f"{rank}.json").read_text()) == []
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_capstone_keeps_every_tensor_on_the_device(strategy, placement):
+    for rank, found in enumerate(placement):  # training, and a checkpoint at step 2
+        assert found[strategy] == [[]], f"capstone {strategy}, rank {rank}"

@@ -259,41 +259,7 @@ def test_strip_keeps_def_line_docstring_and_leaves_values_as_ellipsis() -> None:
         "check(eps, tiny)\n")
 
 
-# ---- Chapter 3: the bucket hook must be asynchronous and right on every bucket ----
-
-def _sync_hook(group, bucket):
-    buf = bucket.buffer()
-    buf.div_(dist.get_world_size(group))
-    dist.all_reduce(buf, group=group)  # blocks backward until the bucket is sent
-    fut = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
-
-
-def _waiting_hook(group, bucket):
-    buf = bucket.buffer().div_(dist.get_world_size(group))
-    work = dist.all_reduce(buf, group=group, async_op=True)
-    work.wait()
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _async_hook(group, bucket):
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    n = dist.get_world_size(group)
-    return work.get_future().then(lambda fut: fut.value()[0].div_(n))
-
-
-def test_bucket_hook_checker_rejects_synchronous_hooks(capsys) -> None:
-    from dtlib.exercises.data_parallel import check_bucket_hook
-
-    check_bucket_hook(_async_hook)
-    out = capsys.readouterr().out
-    buckets = int(out.split("each of ")[1].split(" buckets")[0])
-    assert buckets >= 2, out
-    for hook, what in ((_sync_hook, "a blocking dist.all_reduce"),
-                       (_waiting_hook, "work.wait()")):
-        with pytest.raises(WrongAnswer, match=f"waits for its all-reduce \\({what}"):
-            check_bucket_hook(hook)
+# ---- Chapter 3: the bucket hook: tests/test_exercises_ch03_ch04.py ----
 
 
 # ---- Chapter 4: bytes per stage, term by term ----

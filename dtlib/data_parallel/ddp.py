@@ -16,8 +16,11 @@ How it gets there:
   backward when that parameter's ``.grad`` is complete (a tied weight is one tensor, so
   its hook fires once, after both uses have been summed);
 - the first hook of a backward queues :meth:`DataParallel._finish` on the autograd
-  engine (``Variable._execution_engine.queue_callback``, as torch DDP does), which runs
-  after the last gradient of the backward and before ``backward()`` returns;
+  engine (``Variable._execution_engine.queue_callback``, early, as FSDP2 does; torch
+  DDP's reducer queues its ``finalize_backward`` only once its last bucket is ready,
+  which is why it needs ``find_unused_parameters=True`` for a parameter that gets no
+  gradient), which runs after the last gradient of the backward and before
+  ``backward()`` returns;
 - ``naive``: ``_finish`` all-reduces each gradient (one call per tensor);
 - ``bucketed``: ``_finish`` all-reduces flat buckets (one call per bucket);
 - ``overlapped``: each hook counts its bucket; a full bucket starts an *asynchronous*

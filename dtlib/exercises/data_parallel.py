@@ -11,6 +11,7 @@ self-contained: no names from other cells besides ``torch`` and ``dist``.
 from __future__ import annotations
 
 import inspect
+import threading
 import textwrap
 from typing import Any, Callable
 
@@ -55,28 +56,74 @@ def _source_of(fn: Callable[..., Any]) -> tuple[str, str]:
     return source, fn.__name__
 
 
-class _WatchedWork:
-    """An async all-reduce's Work that notes a ``wait()`` made inside the hook."""
+# How long a hook may stay inside after issuing its all-reduce before it counts as
+# waiting on it. Between the call and `return` a right hook runs a few Python
+# statements (microseconds); a wrong one waits for a collective that, here, cannot
+# complete before the hook returns (see _GatedWork). Two seconds is five orders of
+# magnitude above the first, so an overloaded machine does not turn a right hook into
+# a wrong one; a wrong one costs these seconds once per rank, not once per bucket.
+STALL_S = 2.0
 
-    def __init__(self, work: Any, notes: dict[str, int]) -> None:
+
+class _GatedWork:
+    """An async all-reduce whose future completes only once the hook has returned.
+
+    The collective itself is issued at once (every rank issues the same ones in the
+    same order, so nothing can deadlock); what the hook gets back is gated: its
+    future, ``wait()`` and ``is_completed()`` see the result only after the hook
+    returned. A hook that blocks on it in any way (``work.wait()``,
+    ``fut.wait()``, ``torch.futures.wait_all``, a polling loop) is therefore still
+    inside when :data:`STALL_S` have passed, and is noted; ``fut.value()`` read too
+    early raises, as it may on any backend.
+    """
+
+    def __init__(self, work: Any, notes: dict[str, Any]) -> None:
         self._work, self._notes = work, notes
+        self._lock = threading.Lock()
+        self._gate: Any = torch.futures.Future()
+        real = work.get_future()
+        self._future = self._gate.then(lambda _: real.wait())
+        notes["gates"].append(self)
+        self._timer = threading.Timer(STALL_S, self._stalled)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def open(self) -> None:
+        """Let the result through (the hook returned, or it stalled)."""
+        with self._lock:
+            if not self._gate.done():
+                self._timer.cancel()
+                self._gate.set_result(None)
+
+    def _stalled(self) -> None:
+        if self._notes["in_hook"] and not self._gate.done():
+            self._notes["stalled"] += 1
+        self.open()
+
+    def get_future(self) -> Any:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._gate.done() and self._work.is_completed()
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         if self._notes["in_hook"]:
             self._notes["waits"] += 1
+        self.open()
         return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
-def _run_hook(source: str, name: str) -> Any:
-    """On each rank: torch DDP on the tiny GPT with the learner's comm hook.
+def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
+    """On one rank: torch DDP on the tiny GPT with the learner's comm hook.
 
     Two backward passes: DDP's first puts every gradient in one bucket and then
     rebuilds its buckets in the order gradients arrived; the second (measured) pass
-    runs with several buckets. Every ``dist.all_reduce`` the hook issues is watched:
-    a blocking one, or a ``wait()`` inside the hook, makes the hook synchronous.
+    runs with several buckets. Every ``dist.all_reduce`` the hook issues is watched
+    (:class:`_GatedWork`): a blocking one, a ``wait()``, or any wait on its future
+    inside the hook makes the hook synchronous.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -86,7 +133,8 @@ def _run_hook(source: str, name: str) -> Any:
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
     exec(compile(source, f"<your {name}>", "exec"), namespace)
     learner_hook = namespace[name]
-    notes = {"in_hook": 0, "calls": 0, "blocking": 0, "waits": 0}
+    notes: dict[str, Any] = {"in_hook": 0, "calls": 0, "blocking": 0, "waits": 0,
+                             "stalled": 0, "gates": [], "error": None}
     buckets: list[int] = []
     real_all_reduce = dist.all_reduce
 
@@ -97,7 +145,9 @@ def _run_hook(source: str, name: str) -> Any:
         if not async_op:
             notes["blocking"] += 1
             return work
-        return _WatchedWork(work, notes)
+        if notes["stalled"]:  # already known to wait: no second stall to sit out
+            return work
+        return _GatedWork(work, notes)
 
     # No annotations: DDP rejects a hook whose annotations are not GradBucket/Future.
     def counting_hook(state, bucket):  # noqa: ANN001, ANN202
@@ -105,8 +155,16 @@ def _run_hook(source: str, name: str) -> Any:
         notes["in_hook"] += 1
         try:
             return learner_hook(state, bucket)
+        except Exception as exc:  # reported by the checker, the backward goes on
+            notes["error"] = notes["error"] or f"{type(exc).__name__}: {exc}"
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
         finally:
             notes["in_hook"] -= 1
+            for gate in notes["gates"]:
+                gate.open()
+            notes["gates"].clear()
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(build_gpt(TINY), bucket_cap_mb=BUCKET_CAP_MB)
@@ -126,107 +184,227 @@ def _run_hook(source: str, name: str) -> Any:
         dist.all_reduce = real_all_reduce
     return {"grads": grads_of(model.module), "local": grads_of(local),
             "calls": notes["calls"], "buckets": len(buckets),
-            "blocking": notes["blocking"], "waits": notes["waits"]}
+            "blocking": notes["blocking"], "waits": notes["waits"],
+            "stalled": notes["stalled"], "error": notes["error"]}
+
+
+def _run_hooks(hooks: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """On each rank: every hook in turn, each in a DDP of its own."""
+    return [_ddp_with_hook(source, name) for source, name in hooks]
 
 
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for _, g in sorted(grads.items())])
 
 
-@checker
-def check_bucket_hook(hook: Callable[..., Any], world_size: int = 2) -> None:
-    """Check a DDP comm hook ``hook(process_group, bucket) -> Future[Tensor]``.
+_ASYNC_HINT = ("issue the all-reduce with async_op=True and return the future right "
+               "away (work.get_future(), with .then(...) for what follows); DDP waits "
+               "on it once, at the end of backward ('Seeing the overlap').")
 
-    It runs as torch DDP's gradient hook on ``world_size`` real ranks over several
-    buckets; the gradients must equal one process's on the whole batch, with one
-    asynchronous all-reduce per bucket (the hook returns before it completes).
+
+def _judge(res: dict[str, Any], rank: int, world_size: int, truth: torch.Tensor
+           ) -> WrongAnswer | None:
+    """What is wrong with one rank's run of a hook, or None."""
+    where = f"on {world_size} ranks, rank {rank}"
+    if res["error"] is not None:
+        if "completed()" in res["error"]:
+            return WrongAnswer(
+                f"{where}: your hook reads the future's value before the all-reduce "
+                "has completed (fut.value() inside the hook).",
+                "read the value inside a callback, fut.then(lambda f: f.value()[0]), "
+                "which runs once the all-reduce is done")
+        return WrongAnswer(f"{where}: your hook raised {res['error']}",
+                           "return a torch.futures.Future whose value is the bucket's "
+                           "tensor, e.g. dist.all_reduce(..., async_op=True)"
+                           ".get_future().then(...)")
+    how = ("a blocking dist.all_reduce" if res["blocking"] else
+           "work.wait()" if res["waits"] else
+           "a wait on its future" if res["stalled"] else None)
+    if how is not None:
+        return WrongAnswer(
+            f"{where}: your hook waits for its all-reduce ({how} inside the hook), "
+            "so backward stops at every bucket until the bucket has crossed the "
+            "network: nothing overlaps.", _ASYNC_HINT)
+    if res["calls"] != res["buckets"]:
+        return WrongAnswer(
+            f"{where}: {res['calls']} all-reduce calls for {res['buckets']} "
+            "buckets.", "one dist.all_reduce of bucket.buffer() per hook call.")
+    got, local = _flat(res["grads"]), _flat(res["local"])
+    from dtlib.chapters.ch03_data_parallel.runs import TINY
+
+    rel = _rel(world_size, TINY)
+    if _close(got, truth * world_size, rel):
+        return WrongAnswer(f"{where}: the gradients are world_size times too large: "
+                           "the all-reduce sums.", "divide the buffer by "
+                           "dist.get_world_size(group) (before or after).")
+    if _close(got, local, rel):
+        return WrongAnswer(f"{where}: each rank kept its own gradient: the bucket was "
+                           "not all-reduced, or the future does not return the "
+                           "reduced buffer.")
+    if _close(got, truth, rel):
+        return None
+    # The average times a constant: a divisor that is not this world's size.
+    scale = float(got @ truth / (truth @ truth))
+    if _close(got, scale * truth, rel):
+        return WrongAnswer(
+            f"{where}: the gradients are {scale:.3g} times the average: the sum was "
+            f"divided by {world_size / scale:.3g}, not by the world size.",
+            "divide by dist.get_world_size(group), which is the number of ranks "
+            "this run has, never a constant")
+    err = (got - truth).abs().max().item()
+    return WrongAnswer(f"{where}: gradients differ from one process's by up to "
+                       f"{err:.3g}.", "the future's value must be the averaged "
+                       "bucket.buffer().")
+
+
+
+
+def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] = (2, 4)
+                  ) -> list[WrongAnswer | None]:
+    """Run DDP comm hooks on real ranks and judge each: one launch per world size.
+
+    Every hook runs as torch DDP's gradient hook, over several buckets, in one launch
+    of each world size (a hook already wrong on a smaller world is not run on the
+    next). On every rank its gradients must equal one process's on the whole batch,
+    with one asynchronous all-reduce per bucket that the hook does not wait for.
+
+    Args:
+        hooks: functions ``hook(process_group, bucket) -> torch.futures.Future``.
+        world_sizes: the worlds to run, smallest first (each needs its ranks).
+    Returns:
+        For each hook, None if it is right on every world, else the
+        :class:`WrongAnswer` of the first rank it is wrong on.
+
+    Taught in: Chapter 3, "Exercises" (the bucketed gradient hook).
     """
     from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_training
 
-    source, name = _source_of(hook)
-    try:
-        results = launch.spawn(_run_hook, world_size, source, name, stream=False,
-                               timeout=60)
-    except launch.LaunchError as exc:
-        raise WrongAnswer(f"your hook failed on a rank:\n{exc}\nHint: return a "
-                          "torch.futures.Future whose value is the bucket's tensor, "
-                          "e.g. dist.all_reduce(..., async_op=True).get_future()"
-                          ".then(...)") from None
-    truth = _flat(reference_training(TINY, world_size * MICRO_BATCH, 1)["grads"])
-    rel = _rel(world_size, TINY)
-    for rank, res in enumerate(results):
-        got, local = _flat(res["grads"]), _flat(res["local"])
-        if res["blocking"] or res["waits"]:
-            raise WrongAnswer(
-                f"rank {rank}: your hook waits for its all-reduce ("
-                + ("a blocking dist.all_reduce" if res["blocking"] else "work.wait()")
-                + " inside the hook), so backward stops at every bucket until the "
-                "bucket has crossed the network: nothing overlaps.",
-                "issue the all-reduce with async_op=True and return the future "
-                "right away (work.get_future(), with .then(...) for what follows); "
-                "DDP waits on it once, at the end of backward ('Seeing the overlap').")
-        if res["calls"] != res["buckets"]:
-            raise WrongAnswer(
-                f"rank {rank}: {res['calls']} all-reduce calls for {res['buckets']} "
-                "buckets. Hint: one dist.all_reduce of bucket.buffer() per hook call.")
-        if _close(got, truth * world_size, rel):
-            raise WrongAnswer("the gradients are world_size times too large: the "
-                              "all-reduce sums. Hint: divide the buffer by "
-                              "dist.get_world_size(group) (before or after).")
-        if _close(got, local, rel):
-            raise WrongAnswer("each rank kept its own gradient: the bucket was not "
-                              "all-reduced, or the future does not return the reduced "
-                              "buffer.")
-        if not _close(got, truth, rel):
-            err = (got - truth).abs().max().item()
-            raise WrongAnswer(f"rank {rank}: gradients differ from one process's by up "
-                              f"to {err:.3g}. Hint: the future's value must be the "
-                              "averaged bucket.buffer().")
-    if results[0]["buckets"] < 2:
-        raise AssertionError("the check ran with one bucket: lower BUCKET_CAP_MB")
-    passed(f"your hook averaged each of {results[0]['buckets']} buckets with one "
-           f"asynchronous all-reduce; the gradients equal one process's on "
-           f"{world_size} ranks")
+    if not world_sizes or any(not isinstance(n, int) or n < 2 for n in world_sizes):
+        raise ValueError(f"world_sizes={world_sizes!r}: give integers >= 2 (a hook "
+                         "needs peers to average with)")
+    sources = [_source_of(hook) for hook in hooks]
+    verdicts: list[WrongAnswer | None] = [None] * len(hooks)
+    for world_size in world_sizes:
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        if not todo:
+            break
+        try:
+            per_rank = launch.spawn(_run_hooks, world_size,
+                                    [sources[i] for i in todo], stream=False,
+                                    timeout=60 + STALL_S * len(todo))
+        except launch.LaunchError as exc:
+            wrong = WrongAnswer(f"on {world_size} ranks your hook failed on a "
+                                f"rank:\n{exc}", "return a torch.futures.Future "
+                                "whose value is the bucket's tensor, e.g. "
+                                "dist.all_reduce(..., async_op=True).get_future()"
+                                ".then(...)")
+            for i in todo:
+                verdicts[i] = wrong
+            continue
+        truth = _flat(reference_training(TINY, world_size * MICRO_BATCH, 1)["grads"])
+        for j, i in enumerate(todo):
+            if per_rank[0][j]["buckets"] < 2:
+                raise AssertionError("the check ran with one bucket: lower "
+                                     "BUCKET_CAP_MB")
+            verdicts[i] = next((w for rank, ranks in enumerate(per_rank)
+                                if (w := _judge(ranks[j], rank, world_size, truth))
+                                is not None), None)
+    return verdicts
 
 
 @checker
-def check_epoch_orders(epoch_orders: Callable[[int, int, int, int], list[list[int]]]
-                       ) -> None:
-    """Check ``epoch_orders(dataset_len, world_size, rank, epochs)``: the indices a
-    rank's DistributedSampler (shuffle=True, seed=0) yields in each epoch, for a
-    correct training loop."""
+def check_bucket_hook(hook: Callable[..., Any],
+                      world_sizes: tuple[int, ...] = (2, 4)) -> None:
+    """Check a DDP comm hook ``hook(process_group, bucket) -> Future[Tensor]``.
+
+    It runs as torch DDP's gradient hook on 2 and then 4 real ranks over several
+    buckets (:func:`hook_verdicts`): the gradients must equal one process's on the
+    whole batch, with one asynchronous all-reduce per bucket that the hook returns
+    before it completes.
+    """
+    wrong = hook_verdicts([hook], world_sizes)[0]
+    if wrong is not None:
+        raise wrong
+    passed(f"your hook averaged every bucket with one asynchronous all-reduce; the "
+           f"gradients equal one process's on {' and '.join(map(str, world_sizes))} "
+           "ranks")
+
+
+# ---- build it: DistributedSampler's indices, from scratch -------------------------
+
+# (dataset_len, world_size, seed, epochs): the chapter's 12 samples on 2 ranks, and
+# lengths it does not show: padding that wraps more than once (2 samples, 5 ranks),
+# one rank more than samples, another seed.
+_SAMPLER_CASES = ((12, 2, 0, 3), (10, 4, 0, 2), (3, 4, 0, 2), (2, 5, 7, 2),
+                  (11, 3, 5, 3))
+
+
+def _contiguous(order: list[int], world_size: int, rank: int) -> list[int]:
+    per = -(-len(order) // world_size)
+    padded = (order * -(-per * world_size // len(order)))[:per * world_size]
+    return padded[rank * per:(rank + 1) * per]
+
+
+@checker
+def check_sampler_indices(sampler_indices: Callable[[int, int, int, int, int],
+                                                    list[int]]) -> None:
+    """Check ``sampler_indices(dataset_len, world_size, rank, epoch, seed)``, built
+    without ``DistributedSampler``: the indices that rank's
+    ``DistributedSampler(shuffle=True, drop_last=False, seed=seed)`` yields after
+    ``set_epoch(epoch)``.
+    """
+    from torch.utils.data import DistributedSampler
+
     from dtlib.data_parallel import sampling
 
-    dataset_len, world_size, epochs = 12, 2, 3
-    answers = []
-    for rank in range(world_size):
-        got = epoch_orders(dataset_len, world_size, rank, epochs)
-        try:
-            got = [list(map(int, order)) for order in got]
-        except TypeError:
-            raise WrongAnswer("return a list (one per epoch) of lists of indices") \
-                from None
-        if len(got) != epochs:
-            raise WrongAnswer(f"rank {rank}: {len(got)} epochs returned, expected "
-                              f"{epochs}")
-        if all(order == got[0] for order in got):
-            raise WrongAnswer(
-                f"rank {rank} reads the same order every epoch: {got[0]}. "
-                "DistributedSampler shuffles with the generator seed + epoch, and its "
-                "epoch stays 0 unless you call sampler.set_epoch(epoch) at the start "
-                "of every epoch.")
-        answers.append(got)
-    for epoch in range(epochs):
-        seen = [i for rank in range(world_size) for i in answers[rank][epoch]]
-        if sorted(seen) != list(range(dataset_len)):
-            raise WrongAnswer(
-                f"epoch {epoch}: the ranks together read {sorted(seen)}, not every "
-                "sample once. Hint: pass num_replicas=world_size and rank=rank.")
-    expected = [sampling.epoch_orders(dataset_len, world_size, r, epochs)
-                for r in range(world_size)]
-    if answers != expected:
-        raise WrongAnswer("the orders change each epoch but are not "
-                          "DistributedSampler's (shuffle=True, seed=0, "
-                          "set_epoch(epoch)). Hint: create one "
-                          "sampler and call set_epoch(epoch) before each pass.")
-    passed("a new order every epoch, every sample once per epoch across the ranks")
+    real_iter = DistributedSampler.__iter__
+
+    def refuse(self: Any) -> Any:  # noqa: ARG001
+        raise WrongAnswer("your function asks DistributedSampler itself.",
+                          "build the indices from torch.randperm with a seeded "
+                          "torch.Generator: that is the exercise")
+
+    for n, world_size, seed, epochs in _SAMPLER_CASES:
+        per = -(-n // world_size)
+        for epoch in range(epochs):
+            want = sampling.shards(n, world_size, epoch=epoch, seed=seed)
+            for rank in range(world_size):
+                where = (f"dataset_len={n}, world_size={world_size}, rank={rank}, "
+                         f"epoch={epoch}, seed={seed}")
+                DistributedSampler.__iter__ = refuse
+                try:
+                    got = sampler_indices(n, world_size, rank, epoch, seed)
+                finally:
+                    DistributedSampler.__iter__ = real_iter
+                try:
+                    got = [int(i) for i in got]
+                except TypeError:
+                    raise WrongAnswer(f"{where}: return a list of indices, got "
+                                      f"{type(got).__name__}") from None
+                if got == want[rank]:
+                    continue
+                order = torch.randperm(
+                    n, generator=torch.Generator().manual_seed(seed)).tolist()
+                full = torch.randperm(
+                    n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+                if len(got) != per:
+                    hint = (f"every rank reads ceil({n} / {world_size}) = {per} "
+                            "indices: the sampler pads by repeating the shuffled "
+                            "order from its start, as many times as needed")
+                elif epoch and got == sampling.shards(n, world_size, epoch=0,
+                                                       seed=seed)[rank]:
+                    hint = ("the same order as epoch 0: the generator is seeded with "
+                            "seed + epoch, which is what set_epoch changes")
+                elif got == _contiguous(full, world_size, rank):
+                    hint = ("the sampler deals the padded order round-robin: rank r "
+                            "takes positions r, r + world_size, ...")
+                elif got == _contiguous(order, world_size, rank) or sorted(got) == \
+                        sorted(want[rank]):
+                    hint = "right indices, wrong order or dealing"
+                else:
+                    hint = ("shuffle with torch.randperm(dataset_len, generator=g), "
+                            "g = torch.Generator().manual_seed(seed + epoch)")
+                raise WrongAnswer(f"{where}: got {got}, DistributedSampler gives "
+                                  f"{want[rank]}.", hint)
+    passed(f"your indices equal DistributedSampler's on {len(_SAMPLER_CASES)} "
+           "datasets, every rank and epoch, padding included")

@@ -1,0 +1,198 @@
+"""Chapters 3 and 4's exercise checkers on real ranks: each kind of wrong answer is
+rejected by name, each valid alternative accepted.
+
+The bucket hooks share one launch per world size (``hook_verdicts``): every hook
+runs in its own torch DDP on the same ranks, so the file costs two launches for all
+of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtlib.exercises import WrongAnswer
+
+# ---- Chapter 3: the bucketed gradient hook, on 2 and 4 ranks ----------------------
+
+
+def divide_first(group, bucket):
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size(group))
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def divide_after(group, bucket):
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    n = dist.get_world_size(group)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(n))
+
+
+def divide_into_new_tensor(group, bucket):
+    # not in place: the future's value is a new tensor, which DDP copies back
+    n = dist.get_world_size(group)
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0] / n)
+
+
+def divide_by_two(group, bucket):
+    # right on 2 ranks only: the divisor is a constant, not the world size
+    buf = bucket.buffer().div_(2)
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
+def blocking_all_reduce(group, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    dist.all_reduce(buf, group=group)
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def work_wait(group, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    work.wait()
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def future_wait(group, bucket):
+    # blocks on the future, not on the Work: the same stall
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    fut.wait()
+    return fut.then(lambda f: f.value()[0])
+
+
+def chained_future_wait(group, bucket):
+    # waits on a future derived by .then(...)
+    n = dist.get_world_size(group)
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    out = fut.then(lambda f: f.value()[0].div_(n))
+    torch.futures.wait_all([out])
+    return out
+
+
+def early_value(group, bucket):
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    done = torch.futures.Future()
+    done.set_result(fut.value()[0])
+    return done
+
+
+def summing(group, bucket):
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def silent(group, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+RIGHT = (divide_first, divide_after, divide_into_new_tensor)
+WRONG = {
+    divide_by_two: r"on 4 ranks, rank 0: the gradients are 2 times the average: the sum was "
+                   r"divided by 2,",
+    blocking_all_reduce: r"waits for its all-reduce \(a blocking dist\.all_reduce",
+    work_wait: r"waits for its all-reduce \(work\.wait\(\)",
+    future_wait: r"waits for its all-reduce \(a wait on its future",
+    chained_future_wait: r"waits for its all-reduce \(a wait on its future",
+    early_value: r"reads the future's value before the all-reduce",
+    summing: "world_size times too large",
+    silent: "0 all-reduce calls",
+}
+
+
+@pytest.fixture(scope="module")
+def hook_verdicts():
+    from dtlib.exercises.data_parallel import hook_verdicts as verdicts
+
+    # every hook on 2 ranks; on 4 the first right one and the constant divisor
+    hooks = [*RIGHT, *WRONG]
+    out = dict(zip(hooks, verdicts(hooks, (2,))))
+    on_4 = [divide_first, divide_by_two]
+    for hook, wrong in zip(on_4, verdicts(on_4, (4,))):
+        out[hook] = out[hook] or wrong
+    return out
+
+
+@pytest.mark.parametrize("hook", RIGHT, ids=lambda h: h.__name__)
+def test_bucket_hook_accepts_each_right_hook(hook_verdicts, hook):
+    assert hook_verdicts[hook] is None, hook_verdicts[hook]
+
+
+@pytest.mark.parametrize("hook", list(WRONG), ids=lambda h: h.__name__)
+def test_bucket_hook_rejects_each_kind_of_wrong_hook(hook_verdicts, hook):
+    wrong = hook_verdicts[hook]
+    assert isinstance(wrong, WrongAnswer), hook.__name__
+    with pytest.raises(WrongAnswer, match=WRONG[hook]):
+        raise wrong
+
+
+def test_bucket_hook_checker_says_passed_and_rejects(monkeypatch, capsys) -> None:
+    """The checker itself: its verdict is hook_verdicts' (launches stubbed out)."""
+    from dtlib.exercises import data_parallel as dp
+
+    verdicts = iter([[None], [WrongAnswer("no")]])
+    monkeypatch.setattr(dp, "hook_verdicts", lambda hooks, ws: next(verdicts))
+    dp.check_bucket_hook(divide_first)
+    assert "Correct" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="no"):
+        dp.check_bucket_hook(divide_first)
+
+
+# ---- Chapter 3: DistributedSampler's indices, built ---------------------------------
+
+def sampler_indices(dataset_len, world_size, rank, epoch, seed):
+    g = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(dataset_len, generator=g).tolist()
+    per = -(-dataset_len // world_size)
+    while len(order) < per * world_size:
+        order += order[:per * world_size - len(order)]
+    return order[rank::world_size]
+
+
+def _no_epoch(n, w, r, e, s):
+    return sampler_indices(n, w, r, 0, s)
+
+
+def _padding_once(n, w, r, e, s):
+    # pads with indices[:padding] once: too short when padding > dataset_len
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(s + e)).tolist()
+    per = -(-n // w)
+    order += order[:per * w - n]
+    return order[r::w]
+
+
+def _contiguous_blocks(n, w, r, e, s):
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(s + e)).tolist()
+    per = -(-n // w)
+    order = (order * w)[:per * w]
+    return order[r * per:(r + 1) * per]
+
+
+def _asks_the_sampler(n, w, r, e, s):
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(n), num_replicas=w, rank=r, seed=s)
+    sampler.set_epoch(e)
+    return list(sampler)
+
+
+def test_sampler_indices_checker(capsys) -> None:
+    from dtlib.exercises.data_parallel import check_sampler_indices
+
+    check_sampler_indices(sampler_indices)
+    assert "Correct" in capsys.readouterr().out
+    for wrong, match in ((_no_epoch, "seeded with seed \\+ epoch"),
+                         (_padding_once, "as many times as needed"),
+                         (_contiguous_blocks, "round-robin"),
+                         (_asks_the_sampler, "asks DistributedSampler itself")):
+        with pytest.raises(WrongAnswer, match=match):
+            check_sampler_indices(wrong)
