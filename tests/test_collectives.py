@@ -106,8 +106,10 @@ def _compare_all(group: dist.ProcessGroup | None = None,
     # reduce-scatter equals torch's when numel divides by n.
     x = _inputs(rank, 4 * n, torch.int64)
     out = torch.empty(4, dtype=torch.int64)
-    dist.reduce_scatter_tensor(out, x, group=group)
-    check("ring_reduce_scatter vs reduce_scatter_tensor", col.ring_reduce_scatter(
+    # torch 2.13's name, the old one (deprecated there) where it is missing
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    rs(out, x, group=group)
+    check("ring_reduce_scatter vs reduce_scatter_single", col.ring_reduce_scatter(
         x, group=group), out)
     return failures
 

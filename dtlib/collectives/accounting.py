@@ -14,11 +14,12 @@ How the collectives are seen, and why this way (Chapter 2, "Counting communicati
    stays installed while any block is open). Code that calls ``dist.X`` at call time is
    seen, and that includes torch's own FSDP2 (``fully_shard``): its
    ``_fsdp_collectives.py`` calls ``dist.all_gather_single`` /
-   ``dist.reduce_scatter_single`` (torch >= 2.10; ``all_gather_into_tensor`` /
-   ``reduce_scatter_tensor`` before) through the ``torch.distributed`` module, so the
-   patch sees them with their logical sizes. Wrappers that call other wrappers
-   (``all_gather_into_tensor`` -> ``all_gather_single``) are counted once: only the
-   outermost call of a thread records.
+   ``dist.reduce_scatter_single`` (in torch 2.13, which deprecates the old names;
+   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before) through the
+   ``torch.distributed`` module, so the patch sees them with their logical sizes.
+   Wrappers that call other wrappers (``all_gather_into_tensor`` ->
+   ``all_gather_single``) are counted once: only the outermost call of a thread
+   records.
 2. **Functional collectives and DTensor** (``source="functional"``). These never touch
    ``dist.*``: they call the dispatcher ops ``torch.ops._c10d_functional.*``. torch's
    :class:`torch.distributed.tensor.debug.CommDebugMode` sees them with a

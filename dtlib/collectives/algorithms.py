@@ -71,10 +71,11 @@ def _exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, right: int, left: 
               group: Any) -> None:
     """Send to ``right`` and receive from ``left`` (global ranks) as one batch.
 
-    Every rank of the ring sends at the same moment. gloo buffers the sends, but
-    NCCL's send may wait for the peer's matching receive: posted alone, the sends of a
-    2-rank ring wait for each other forever. ``batch_isend_irecv`` posts both
-    operations together (one NCCL group), so each rank's receive is already there
+    Every rank of the ring sends at the same moment. A gloo send completes only once
+    the peer has posted the matching receive, and NCCL needs a send and a receive
+    that must progress together in one group: blocking sends alone wait for each
+    other forever, on either backend. ``batch_isend_irecv`` posts both operations
+    before waiting (on NCCL as one group), so each rank's receive is already there
     when its neighbour sends. Empty chunks are skipped on both sides alike."""
     c10d = dist.distributed_c10d  # looked up now: patched isend (accounting) is seen
     ops = []
@@ -130,8 +131,10 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor,
                     group: Any = None) -> None:
     """torch's all-gather into one tensor, under its name in the running torch.
 
-    ``dist.all_gather_single`` (torch >= 2.10) or ``dist.all_gather_into_tensor``
-    (older; deprecated since). Looked up at call time, so accounting sees it.
+    ``dist.all_gather_single`` where torch has it (added in 2026, pytorch#186123;
+    torch 2.13 warns with a FutureWarning on the old name) or
+    ``dist.all_gather_into_tensor`` (the only name before). Looked up at call time, so
+    accounting sees it.
 
     Taught in: Chapter 2, "A collective only rank 0 calls".
     """
@@ -142,7 +145,9 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor,
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor,
                         group: Any = None) -> None:
     """torch's reduce-scatter (sum) of one tensor, under its name in the running torch:
-    ``dist.reduce_scatter_single`` (torch >= 2.10) or ``dist.reduce_scatter_tensor``.
+    ``dist.reduce_scatter_single`` where torch has it (added with
+    ``all_gather_single``; torch 2.13 warns on the old name) or
+    ``dist.reduce_scatter_tensor`` (the only name before).
 
     Taught in: Chapter 2, "A collective only rank 0 calls".
     """
@@ -217,7 +222,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group: Any = None) -> torch.Tensor
         group: a process group (default: the world).
     Returns:
         1-D ``tensor.flatten().tensor_split(n)[rank]`` of the sum: equal to
-        ``dist.reduce_scatter_tensor`` when numel divides by n.
+        ``dist.reduce_scatter_single`` when numel divides by n.
 
     Taught in: Chapter 2, "Ring all-reduce".
     """
@@ -238,7 +243,7 @@ def ring_all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         group: a process group (default: the world).
     Returns:
         A new tensor of shape ``(n * tensor.shape[0], *tensor.shape[1:])`` (a 0-d input
-        gives shape ``(n,)``): what ``dist.all_gather_into_tensor`` produces.
+        gives shape ``(n,)``): what ``dist.all_gather_single`` produces.
 
     Taught in: Chapter 2, "Ring all-reduce" (and exercise ch2-ex-allgather).
     """

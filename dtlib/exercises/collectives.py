@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import random
 import textwrap
 from typing import Any, Callable, Iterator
 
@@ -32,22 +33,36 @@ from dtlib.exercises import WrongAnswer, checker, passed
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
 _P2P = {"send": ("send", "dst"), "isend": ("send", "dst"), "recv": ("recv", "src"),
         "irecv": ("recv", "src")}
-_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object",
-                "all_reduce", "broadcast", "broadcast_object_list", "all_to_all",
-                "all_to_all_single", "gather", "scatter", "reduce", "reduce_scatter",
-                "reduce_scatter_tensor")
+_COLLECTIVES = tuple(name for name in (
+    "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
+    "all_reduce", "broadcast", "broadcast_object_list", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "reduce", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(c10d, name))
 
 
 @contextlib.contextmanager
 def watch_comms() -> Iterator[list[tuple[str, int | None, int]]]:
     """Record ``(kind, peer, numel)`` for every send/recv, ``(name, None, 0)`` for
-    every collective, issued inside the block (on this rank).
+    every collective, issued inside the block (on this rank). A call made by another
+    recorded call (``send`` calls ``isend``) is not recorded again.
 
     Returns:
         The list, filled as the block runs.
     """
     log: list[tuple[str, int | None, int]] = []
     saved = {name: getattr(c10d, name) for name in (*_P2P, *_COLLECTIVES)}
+    depth = [0]  # calls in progress: torch's send is isend + wait, recv irecv + wait
+
+    def outermost(entry: tuple[str, int | None, int], fn: Callable[..., Any],
+                  args: tuple, kwargs: dict) -> Any:
+        """Record ``entry`` unless a recorded call is already running, then call."""
+        if depth[0] == 0:
+            log.append(entry)
+        depth[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
 
     def p2p(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         kind, peer_arg = _P2P[name]
@@ -57,15 +72,13 @@ def watch_comms() -> Iterator[list[tuple[str, int | None, int]]]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(*args, **kwargs).arguments
             peer = bound.get(peer_arg, bound.get(f"group_{peer_arg}"))
-            log.append((kind, peer, bound["tensor"].numel()))
-            return fn(*args, **kwargs)
+            return outermost((kind, peer, bound["tensor"].numel()), fn, args, kwargs)
         return wrapper
 
     def collective(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            log.append((name, None, 0))
-            return fn(*args, **kwargs)
+            return outermost((name, None, 0), fn, args, kwargs)
         return wrapper
 
     patched = {name: (p2p if name in _P2P else collective)(name, fn)
@@ -103,7 +116,10 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
         peers = sorted({p for p, _ in sends if p is not None})
         return [f"rank {rank} of {n} sends to ranks {peers}: in a ring, a rank sends "
                 f"only to its right neighbour, rank {right}"]
-    if any(peer != left for peer, _ in recvs):
+    # A receive from any source (src=None) is a ring's too: every rank's sends are
+    # checked above to go to its right neighbour only, so the one rank that ever
+    # sends to this one is its left neighbour.
+    if any(peer not in (left, None) for peer, _ in recvs):
         return [f"rank {rank} of {n} receives from ranks "
                 f"{sorted({str(p) for p, _ in recvs})}: in a ring, a rank receives "
                 f"only from its left neighbour, rank {left} (name it: src={left})"]
@@ -116,15 +132,19 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
     return []
 
 
-def _check_all_gather_on_rank(source: str, name: str) -> list[str]:
-    """On every rank: run the learner's all-gather on several shapes; list problems."""
+def _check_all_gather_on_rank(source: str, name: str,
+                              extra: tuple[tuple[int, ...], ...] = ()) -> list[str]:
+    """On every rank: run the learner's all-gather on several shapes (``extra``: more,
+    in float64); list problems."""
     fn = _load(source, name)
     rank, n = dist.get_rank(), dist.get_world_size()
-    for shape in _CASES:
-        shard = torch.arange(torch.Size(shape).numel(), dtype=torch.int64
+    cases = [(shape, torch.int64) for shape in _CASES]
+    cases += [(shape, torch.float64) for shape in extra]
+    for shape, dtype in cases:
+        shard = torch.arange(torch.Size(shape).numel(), dtype=dtype
                              ).reshape(shape) + 100 * rank
-        want = torch.cat([torch.arange(shard.numel()).reshape(shape) + 100 * r
-                          for r in range(n)])
+        want = torch.cat([torch.arange(shard.numel(), dtype=dtype).reshape(shape)
+                          + 100 * r for r in range(n)])
         with watch_comms() as log:
             got = fn(shard.clone())
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or \
@@ -145,17 +165,23 @@ def _check_all_gather_on_rank(source: str, name: str) -> list[str]:
 @checker
 def check_ring_all_gather(fn: Callable[..., Any] | str,
                           world_sizes: tuple[int, ...] = (1, 2, 3, 4),
-                          timeout: float = 30.0) -> None:
+                          timeout: float = 30.0, seed: int | None = None) -> None:
     """Check a learner's ``fn(tensor) -> tensor``: all-gather along dim 0 by a ring.
 
     The result must equal ``all_gather``, and the traffic must be a ring: each rank
-    sends only to rank + 1 and receives only from rank - 1, n - 1 times, one shard a
+    sends only to rank + 1 and receives only from rank - 1 (or from any source,
+    ``src=None``, which in a ring can only be rank - 1), n - 1 times, one shard a
     time.
 
     Args:
         fn: the function, or its source text (then its name is the first ``def``).
         world_sizes: worlds to run it in.
         timeout: seconds before a hung attempt is stopped (and reported as a deadlock).
+        seed: seeds the shard shape drawn beyond the page's (default: fresh each call).
+    Returns:
+        None; prints a pass line, or raises WrongAnswer.
+
+    Taught in: Chapter 2, "Ring all-reduce, from send and recv".
     """
     if callable(fn):
         source, name = textwrap.dedent(inspect.getsource(fn)), fn.__name__
@@ -166,9 +192,12 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
             raise WrongAnswer("the source has no top-level 'def'")
         name = line[4:].split("(")[0].strip()
     _load(source, name)  # syntax errors surface here, in the learner's process
+    # Beyond the page's shapes: one drawn at random per check, in float64.
+    rng = random.Random(seed)
+    extra = (tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3))),)
     for n in world_sizes:
         try:
-            results = launch.spawn(_check_all_gather_on_rank, n, source, name,
+            results = launch.spawn(_check_all_gather_on_rank, n, source, name, extra,
                                    timeout=timeout, stream=False)
         except launch.LaunchTimeout as exc:
             raise WrongAnswer(
@@ -203,12 +232,27 @@ def _ring_bytes_sent(nbytes: int) -> int:
 @checker
 def check_bytes_sent(predict: Callable[[int, int], float],
                      cases: tuple[tuple[int, int], ...] = ((4800, 2), (4800, 3),
-                                                           (4800, 4), (96, 4))) -> None:
+                                                           (4800, 4), (96, 4)),
+                     seed: int | None = None) -> None:
     """Check ``predict(nbytes, world_size)``: bytes a rank sends in a ring all-reduce.
 
     The truth is counted on real ranks (``count_comms`` around
-    :func:`dtlib.collectives.ring_all_reduce` of a float32 tensor of ``nbytes``).
+    :func:`dtlib.collectives.ring_all_reduce` of a float32 tensor of ``nbytes``), on
+    ``cases`` and one more drawn at random (world size 2, 3 or 5; a tensor whose
+    elements divide by it, so every rank sends the same).
+
+    Args:
+        predict: the learner's ``predict(nbytes, world_size) -> number``.
+        cases: ``(nbytes, world_size)`` pairs to count.
+        seed: seeds the drawn case (default: a fresh draw each call).
+    Returns:
+        None; prints a pass line, or raises WrongAnswer.
+
+    Taught in: Chapter 2, "Ring all-reduce, from send and recv".
     """
+    rng = random.Random(seed)
+    n_drawn = rng.choice((2, 3, 5))
+    cases = (*cases, (4 * n_drawn * rng.randint(1, 300), n_drawn))
     for nbytes, n in cases:
         sent = launch.spawn(_ring_bytes_sent, n, nbytes, stream=False)
         got = predict(nbytes, n)

@@ -96,11 +96,15 @@ def primitive_states() -> dict[str, tuple[list[int] | None, list[int] | None]]:
     return out
 
 
-def training_step_comms() -> dict[str, Any]:
+def training_step_comms(sizes: tuple[int, ...] = (16, 64, 64, 7)) -> dict[str, Any]:
     """On every rank: what one DDP step and one FSDP2 step of the MLP communicate.
 
+    Args:
+        sizes: the MLP's widths; the default's 7 outputs do not divide by 2 ranks, so
+            FSDP2 pads the last layer's weight and bias (dim 0) and the padding shows.
     Returns:
-        ``{"param_bytes", "ddp": summary, "fsdp2": summary}`` where each summary is
+        ``{"param_bytes", "param_shapes", "element_size", "ddp": summary,
+        "fsdp2": summary}`` where each summary is
         :meth:`dtlib.collectives.accounting.CommLog.summary` of one forward+backward.
 
     Taught in: Chapter 2, "Counting communication".
@@ -117,18 +121,21 @@ def training_step_comms() -> dict[str, Any]:
     dev = world().device
     torch.manual_seed(0)
     x = torch.randn(8, 16).to(dev)
-    ddp = DDP(MLP((16, 64, 64, 8)).to(dev))
+    ddp = DDP(MLP(sizes).to(dev))
     ddp_comm_hook_accounting(ddp)
     with count_comms() as ddp_log:
         ddp(x).square().mean().backward()
-    model = MLP((16, 64, 64, 8)).to(dev)
+    model = MLP(sizes).to(dev)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    shapes = [tuple(p.shape) for p in model.parameters()]
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
     with count_comms() as fsdp_log:
         model(x).square().mean().backward()
-    return {"param_bytes": param_bytes, "ddp": ddp_log.summary(),
+    return {"param_bytes": param_bytes, "param_shapes": shapes,
+            "element_size": next(model.parameters()).element_size(),
+            "ddp": ddp_log.summary(),
             "fsdp2": fsdp_log.summary(),
             "sources": sorted({r.source for r in ddp_log.records + fsdp_log.records})}
 
