@@ -53,15 +53,6 @@ def test_loss_scale_rejects_a_second_collective() -> None:
 
 # ---- Chapter 9: atomic save, judged by what it does to the files ----
 
-def _save_mkstemp_replace(obj, path):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
-    with os.fdopen(fd, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _save_pathlib_rename(obj, path):
     from pathlib import Path
 
@@ -109,7 +100,7 @@ def _save_final_first(obj, path):
     torch.save(obj, buf)
     with open(path, "wb") as f:  # the old checkpoint is gone from here on
         f.write(buf.getvalue())
-    _save_mkstemp_replace(obj, path)
+    _save_pathlib_rename(obj, path)
 
 
 def _save_other_directory(obj, path):
@@ -121,9 +112,8 @@ def _save_other_directory(obj, path):
     os.replace(tmp, path)
 
 
-@pytest.mark.parametrize("save", [_save_mkstemp_replace, _save_pathlib_rename])
-def test_atomic_save_accepts(save, capsys) -> None:
-    check_atomic_save(save)
+def test_atomic_save_accepts_path_rename(capsys) -> None:
+    check_atomic_save(_save_pathlib_rename)
     assert "Correct" in capsys.readouterr().out
 
 
@@ -205,7 +195,8 @@ def sharded_verdicts():
                "model_only": (_dcp_model_only, _dcp_load_model_only),
                "per_rank": (_per_rank_save, _per_rank_load),
                "not_set": (_dcp_save, _load_without_set)}
-    return dict(zip(answers, judge_sharded_resume(list(answers.values()))))
+    # 2 steps, saved after 1: AdamW has moments to lose, the launch stays short
+    return dict(zip(answers, judge_sharded_resume(list(answers.values()), 2, 1)))
 
 
 @pytest.mark.parametrize("name", ["dcp", "nested"])
@@ -237,6 +228,6 @@ def _rank0_load(model, optimizer, directory):
 
 def test_sharded_resume_checker_rejects_a_rank0_save() -> None:
     with pytest.raises(WrongAnswer) as info:
-        check_sharded_resume(_rank0_save, _rank0_load)
+        check_sharded_resume(_rank0_save, _rank0_load, total_steps=2, stop_at=1)
     assert "every rank must save" in str(info.value) + str(info.value.hint) or \
         "failed on a rank" in str(info.value)

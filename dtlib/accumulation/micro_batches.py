@@ -265,9 +265,10 @@ def make_grad_scaler(dtype: torch.dtype | None, device: torch.device | None = No
                      ) -> Any:
     """A ``torch.amp.GradScaler`` for float16, None for anything else.
 
-    float16's smallest normal number is ~6e-5: small gradients underflow to zero unless
-    the loss is scaled up first. bfloat16 keeps float32's exponent range, so a scaler
-    buys nothing there (ERRATA 32).
+    float16's smallest normal number is 2**-14 (~6.1e-5) and its smallest subnormal
+    2**-24 (~6e-8): smaller gradients lose precision, and those at most half the
+    subnormal round to zero, unless the loss is scaled up first. bfloat16 keeps
+    float32's exponent range, so a scaler buys nothing there (ERRATA 32).
 
     Args:
         dtype: the autocast dtype (None, torch.float32, torch.bfloat16, torch.float16).

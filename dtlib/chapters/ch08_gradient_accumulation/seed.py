@@ -20,6 +20,17 @@ from dtlib.accumulation.micro_batches import MicroBatch
 
 SEED_BATCH_SIZE = 32  # the batch size the seed's trainer hard-codes
 
+#: The seed's accumulation mistakes the chapter shows, one entry each (ERRATA 32 holds
+#: two), in the order the chapter meets them.
+SEED_DEFECTS: tuple[tuple[int, str], ...] = (
+    (29, "a mean of per-micro-batch means instead of the token mean"),
+    (28, "the remainder group divided by accum_steps"),
+    (30, "the loop variable read after a loop that may not run"),
+    (31, "a DDP all-reduce after every micro-batch (no no_sync)"),
+    (32, "the trainer rebuilds the caller's DataLoader"),
+    (32, "a GradScaler with bfloat16"),
+)
+
 
 def seed_accumulate(model: nn.Module, group: Sequence[MicroBatch], accum_steps: int,
                     use_no_sync: bool = False) -> None:
