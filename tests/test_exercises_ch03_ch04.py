@@ -97,8 +97,8 @@ def silent(group, bucket):
 
 RIGHT = (divide_first, divide_after, divide_into_new_tensor)
 WRONG = {
-    divide_by_two: r"on 4 ranks, rank 0: the gradients are 2 times the average: the sum was "
-                   r"divided by 2,",
+    divide_by_two: (r"on 4 ranks, rank 0: the gradients are 2 times the average: "
+                    r"the sum was divided by 2,"),
     blocking_all_reduce: r"waits for its all-reduce \(a blocking dist\.all_reduce",
     work_wait: r"waits for its all-reduce \(work\.wait\(\)",
     future_wait: r"waits for its all-reduce \(a wait on its future",
@@ -196,3 +196,22 @@ def test_sampler_indices_checker(capsys) -> None:
                          (_asks_the_sampler, "asks DistributedSampler itself")):
         with pytest.raises(WrongAnswer, match=match):
             check_sampler_indices(wrong)
+
+
+# ---- Chapter 4: the ZeRO-2 hook accepts the list form of reduce-scatter ----------
+
+def zero2_hook_list_form(param):
+    n = dist.get_world_size()
+    flat = param.grad.reshape(-1)
+    shard = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter(shard, list(flat.chunk(n)))  # the list form
+    param.grad_shard = shard / n
+    param.grad = None
+
+
+def test_zero2_hook_accepts_the_list_form(capsys) -> None:
+    # reduce_scatter_single and the older name are accepted in test_exercises.py
+    from dtlib.exercises.zero import check_zero2_hook
+
+    check_zero2_hook(zero2_hook_list_form, world_sizes=(2,))
+    assert "Correct" in capsys.readouterr().out
