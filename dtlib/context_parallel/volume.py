@@ -2,13 +2,18 @@
 
 Ring attention moves K and V: every rank sends its K/V block ``cp - 1`` times in the
 forward pass, so one rank sends ``2 (cp - 1) b (s/cp) h_kv`` elements per layer, and
-the backward pass sends K/V again plus the dK/dV accumulators (``cp`` hops). The
-volume per rank grows with ``cp``, but each hop hides behind a block of attention
-compute. DeepSpeed-Ulysses (Jacobs et al. 2023) instead re-shards by heads: an
-all-to-all turns ``(s/cp, all heads)`` into ``(all s, heads/cp)`` for q, k and v,
-attention runs locally, and one all-to-all turns the output back. Each all-to-all
-keeps ``1/cp`` of the tensor and sends the rest, so a rank sends
-``4 b (s/cp) h (cp - 1)/cp`` elements per layer forward (bounded as cp grows), but
+the backward pass sends K/V again plus the dK/dV accumulators (``cp`` hops). At a
+fixed sequence length that is ``2 b s h_kv (cp - 1)/cp``: it rises from ``b s h_kv``
+(cp = 2) toward ``2 b s h_kv``; it grows linearly with ``cp`` only at a fixed piece
+``s/cp`` per rank. Each hop hides behind a block of attention compute. An all-gather
+of K and V (torch's default rotate method, as Llama 3 trained) sends the same blocks
+by the ring algorithm, but holds all of K and V at once. DeepSpeed-Ulysses (Jacobs
+et al. 2023) instead re-shards by heads: an all-to-all turns ``(s/cp, all heads)``
+into ``(all s, heads/cp)`` for q, k and v, attention runs locally, and one
+all-to-all turns the output back. Each all-to-all keeps ``1/cp`` of the tensor and
+sends the rest, so a rank sends
+``4 b (s/cp) h (cp - 1)/cp`` elements per layer forward (falling as ``1/cp`` at a
+fixed sequence, below ``4 b (s/cp) h`` at a fixed piece per rank), but
 the heads must divide by ``cp`` and nothing overlaps the all-to-alls.
 
 Taught in: Chapter 12, "Context parallelism".
@@ -33,6 +38,12 @@ class CPVolume:
     ring_backward: int
     ulysses_forward: int
     ulysses_backward: int
+
+    @property
+    def allgather_forward(self) -> int:
+        """An all-gather of K and V (torch's default rotate method): by the ring
+        algorithm each rank sends its block to ``cp - 1`` peers, the ring's bytes."""
+        return self.ring_forward
 
 
 def cp_volume(batch: int, seq_len: int, hidden: int, cp: int, *, n_heads: int,

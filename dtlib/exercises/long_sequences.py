@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from dtlib.context_parallel.volume import cp_volume
-from dtlib.exercises import WrongAnswer, check_close, checker, passed
+from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
+from dtlib.runtime.dist import world
 
 
 @checker
@@ -31,4 +35,121 @@ def check_cp_volume(predict: Callable[[int, int, int, int], dict[str, Any]],
                     hint=("four all-to-alls (q, k, v in; the output back), each of a "
                           "b x s/cp x h tensor of which a rank keeps 1/cp"))
     passed("ring attention sends 2(cp-1) b (s/cp) h values per layer, Ulysses "
-           "4 b (s/cp) h (cp-1)/cp: the ring's volume grows with cp, Ulysses' does not")
+           "4 b (s/cp) h (cp-1)/cp: at a fixed sequence the ring's volume rises "
+           "toward 2bsh while Ulysses' falls as 1/cp")
+
+
+# ---- build it: attention over a sequence split across ranks, on real ranks ----------
+
+RING_WORLD = 2
+# (batch, heads, full sequence, head dim): the first splits 8 tokens into 2 x 4, the
+# second has an odd head count and 6 tokens per rank. q is scaled up so that softmax
+# is peaked and the two halves' log-sum-exps differ: a plain average of per-block
+# outputs is then far from the truth.
+_RING_SHAPES = ((2, 2, 8, 4), (1, 3, 12, 8))
+_Q_SCALE = 3.0
+
+
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def ring_step_on_rank(attend: Callable[..., torch.Tensor]) -> list[dict[str, Any]]:
+    """On one rank: full float64 q, k, v from a fixed seed, this rank's contiguous
+    piece of the sequence passed to ``attend(q, k, v)``, and the rows of full
+    (non-causal) attention it must return.
+
+    Args:
+        attend: the learner's function.
+    Returns:
+        Per shape of ``_RING_SHAPES``: ``got`` (what ``attend`` returned, or a
+        description of it), ``want`` (this rank's rows of full attention).
+
+    Taught in: Chapter 12, "Context parallelism: ring attention" (its exercise).
+    """
+    rank, n, device = dist.get_rank(), dist.get_world_size(), world().device
+    out = []
+    for i, (b, a, s, d) in enumerate(_RING_SHAPES):
+        gen = torch.Generator().manual_seed(100 + i)
+        q, k, v = (torch.randn(b, a, s, d, generator=gen, dtype=torch.float64)
+                   for _ in range(3))
+        q = q * _Q_SCALE
+        want = _full_attention(q, k, v).chunk(n, dim=2)[rank]
+        local = [t.chunk(n, dim=2)[rank].contiguous().to(device) for t in (q, k, v)]
+        got = attend(*local)
+        if isinstance(got, torch.Tensor):
+            got = got.detach().cpu()
+        else:
+            got = f"a {type(got).__name__}"
+        out.append({"shape": (b, a, s, d), "got": got, "want": want})
+    return out
+
+
+# In float64 each output element is a softmax-weighted sum over the s keys, reached
+# through a max, an exp, a sum and a division, or (ring) through one log-sum-exp merge
+# per block: a few roundings per term, each ~2**-53 of the largest term. 16 * s *
+# 2**-53 relative to the largest output element covers that with room; a float32
+# detour (2**-24) is 1e8 times larger, a missing block or a wrong merge of order 1.
+def _ring_bound(want: torch.Tensor) -> float:
+    return 16 * want.shape[2] * 2 ** -53 * want.abs().max().item()
+
+
+def judge_ring_step(ranks: list[list[dict[str, Any]]]) -> None:
+    """Raise :class:`WrongAnswer` unless every rank returned its rows of full
+    attention, in the inputs' dtype and to float64 rounding.
+
+    Args:
+        ranks: each rank's :func:`ring_step_on_rank` records.
+    Returns:
+        None.
+
+    Taught in: Chapter 12, "Context parallelism: ring attention" (its exercise).
+    """
+    for r, records in enumerate(ranks):
+        for rec in records:
+            got, want = rec["got"], rec["want"]
+            where = f"rank {r}, (b, a, s, d) = {rec['shape']}"
+            if isinstance(got, str):
+                raise WrongAnswer(f"{where}: attend returned {got}, not a tensor.")
+            if got.shape != want.shape:
+                raise WrongAnswer(f"{where}: the output has shape {tuple(got.shape)}; "
+                                  "return this rank's query rows, the shape of its q.")
+            if got.dtype != want.dtype:
+                raise WrongAnswer(f"{where}: the output is {got.dtype}, the inputs "
+                                  f"{want.dtype}: keep the inputs' dtype.")
+            err = (got - want).abs().max().item()
+            if err <= _ring_bound(want):
+                continue
+            if err <= 1e-5 * want.abs().max().item():
+                raise WrongAnswer(
+                    f"{where}: close to full attention, but only to about float32 "
+                    "precision, on float64 inputs.", "some buffer or intermediate "
+                    "is float32: allocate with the inputs' dtype (or "
+                    "torch.promote_types(torch.float32, q.dtype))")
+            raise WrongAnswer(
+                f"{where}: differs from full attention over the whole sequence.",
+                "every query attends to every key, this rank's and the other ranks': "
+                "bring the other K/V blocks here (a ring of send/recv, or an "
+                "all-gather), scale the scores by 1/sqrt(d), and merge the blocks' "
+                "results with their log-sum-exps, not by averaging")
+
+
+@checker
+def check_ring_step(attend: Callable[..., torch.Tensor]) -> None:
+    """Check ``attend(q, k, v) -> out`` on 2 real ranks: each rank holds a contiguous
+    piece of the sequence, ``(b, a, s / cp, d)`` for each of q, k and v (float64), and
+    returns its rows of full non-causal softmax attention over the whole sequence.
+
+    Args:
+        attend: the learner's function; a ring of point-to-point sends with an
+            online softmax, or an all-gather of K and V, both pass.
+    Returns:
+        None (prints "Correct" or raises :class:`WrongAnswer`).
+
+    Taught in: Chapter 12, "Context parallelism: ring attention".
+    """
+    ranks = run_on_ranks(ring_step_on_rank, attend, RING_WORLD, what="your attend")
+    judge_ring_step(ranks)
+    passed(f"on {RING_WORLD} ranks, for {len(_RING_SHAPES)} shapes, each rank's rows "
+           "equal full attention over the whole sequence")

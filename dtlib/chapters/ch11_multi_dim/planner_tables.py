@@ -5,13 +5,16 @@ that a paper published and searches for its own best one on the same GPUs and ba
 
 - :func:`ranked_rows`: the top of a :func:`~dtlib.planner.search` ranking;
 - :func:`table1_rows`, :func:`table2_rows`: Narayanan et al. 2021, Tables 1 and 2;
-- :func:`llama_rows`: Dubey et al. 2024, Table 4 (Llama 3 405B).
+- :func:`llama_rows`: Dubey et al. 2024, Table 4 (Llama 3 405B);
+- :func:`table1_choices`, :func:`llama_choices`: the planner's best configuration per
+  published row, as objects, so that a page can assert what it says about them.
 
 Taught in: Chapter 11, "A planner checked against published runs".
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from dtlib.planner import (ClusterSpec, Estimate, ModelSpec, ParallelConfig, estimate,
@@ -54,18 +57,9 @@ def ranked_rows(ranked: list[tuple[ParallelConfig, Estimate]],
             for c, e in ranked[:top]]
 
 
-def table1_rows() -> list[dict[str, Any]]:
-    """Narayanan et al. 2021, Table 1 beside the planner: the published (t, p, d)
-    estimated as Megatron ran it (full recomputation, micro-batch 1), and the
-    planner's own best configuration for the same GPUs and batch.
-
-    Returns:
-        One row per published run: its size, GPUs, batch, (t, p, d), published and
-        estimated TFLOP/s, memory, bubble, and the planner's choice.
-
-    Taught in: Chapter 11, "The planner against Megatron-LM".
-    """
-    rows = []
+@functools.lru_cache(maxsize=1)
+def _table1() -> tuple[tuple[dict[str, Any], ...], tuple[ParallelConfig, ...]]:
+    rows, choices = [], []
     for r in TABLE1:
         model = _gpt(r.n_layers, r.hidden, r.n_heads)
         cluster = ClusterSpec.preset("A100-80GB", r.n_gpus)
@@ -77,7 +71,34 @@ def table1_rows() -> list[dict[str, Any]]:
                      "published t,p,d": f"{r.tp},{r.pp},{r.dp}",
                      "published TFLOP/s": r.tflops_per_gpu,
                      **_beside(est, best, best_est)})
-    return rows
+        choices.append(best)
+    return tuple(rows), tuple(choices)
+
+
+def table1_rows() -> list[dict[str, Any]]:
+    """Narayanan et al. 2021, Table 1 beside the planner: the published (t, p, d)
+    estimated as Megatron ran it (full recomputation, micro-batch 1), and the
+    planner's own best configuration for the same GPUs and batch.
+
+    Returns:
+        One row per published run: its size, GPUs, batch, (t, p, d), published and
+        estimated TFLOP/s, memory, bubble, and the planner's choice.
+
+    Taught in: Chapter 11, "The planner against Megatron-LM".
+    """
+    return [dict(r) for r in _table1()[0]]
+
+
+def table1_choices() -> list[ParallelConfig]:
+    """The planner's best configuration for each row of Narayanan et al. 2021,
+    Table 1 (the "planner's choice" column of :func:`table1_rows`, computed once).
+
+    Returns:
+        One :class:`~dtlib.planner.ParallelConfig` per row of ``TABLE1``, in order.
+
+    Taught in: Chapter 11, "The planner against Megatron-LM".
+    """
+    return list(_table1()[1])
 
 
 def table2_rows() -> list[dict[str, Any]]:
@@ -107,6 +128,24 @@ def table2_rows() -> list[dict[str, Any]]:
     return rows
 
 
+@functools.lru_cache(maxsize=1)
+def _llama() -> tuple[tuple[dict[str, Any], ...], tuple[ParallelConfig, ...]]:
+    rows, choices = [], []
+    for r in TABLE4_LLAMA3:
+        model = ModelSpec(seq_len=r.seq_len, **LLAMA3_405B)
+        cluster = ClusterSpec.preset("H100-80GB", r.n_gpus)
+        config = ParallelConfig(dp=r.dp, tp=r.tp, pp=r.pp, cp=r.cp, zero_stage=2,
+                                recompute="selective")
+        est = estimate(model, cluster, config, r.global_batch)
+        best, best_est = search(model, cluster, r.global_batch)[0]
+        rows.append({"GPUs": r.n_gpus, "seq": r.seq_len,
+                     "published tp,cp,pp,dp": f"{r.tp},{r.cp},{r.pp},{r.dp}",
+                     "published TFLOP/s": r.tflops_per_gpu,
+                     **_beside(est, best, best_est)})
+        choices.append(best)
+    return tuple(rows), tuple(choices)
+
+
 def llama_rows() -> list[dict[str, Any]]:
     """Dubey et al. 2024, Table 4 (Llama 3 405B) beside the planner: the published
     configuration (FSDP without resharding after forward, i.e. ZeRO-2's memory;
@@ -119,16 +158,16 @@ def llama_rows() -> list[dict[str, Any]]:
 
     Taught in: Chapter 11, "The planner against Llama 3".
     """
-    rows = []
-    for r in TABLE4_LLAMA3:
-        model = ModelSpec(seq_len=r.seq_len, **LLAMA3_405B)
-        cluster = ClusterSpec.preset("H100-80GB", r.n_gpus)
-        config = ParallelConfig(dp=r.dp, tp=r.tp, pp=r.pp, cp=r.cp, zero_stage=2,
-                                recompute="selective")
-        est = estimate(model, cluster, config, r.global_batch)
-        best, best_est = search(model, cluster, r.global_batch)[0]
-        rows.append({"GPUs": r.n_gpus, "seq": r.seq_len,
-                     "published tp,cp,pp,dp": f"{r.tp},{r.cp},{r.pp},{r.dp}",
-                     "published TFLOP/s": r.tflops_per_gpu,
-                     **_beside(est, best, best_est)})
-    return rows
+    return [dict(r) for r in _llama()[0]]
+
+
+def llama_choices() -> list[ParallelConfig]:
+    """The planner's best configuration for each row of Dubey et al. 2024, Table 4
+    (the "planner's choice" column of :func:`llama_rows`, computed once).
+
+    Returns:
+        One :class:`~dtlib.planner.ParallelConfig` per row of ``TABLE4_LLAMA3``.
+
+    Taught in: Chapter 11, "The planner against Llama 3".
+    """
+    return list(_llama()[1])
