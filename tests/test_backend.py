@@ -71,6 +71,8 @@ print("backend", world.backend, "sum", int(t.item()))
 def test_spawned_and_torchrun_worlds_agree(world_size, tmp_path):
     assert launch.spawn(backend_of_world, world_size, timeout=60) == \
         ["gloo"] * world_size
+    if world_size == 2:
+        return  # torchrun's env:// path is the same code at any size: once, at 4
     script = tmp_path / "hello.py"
     script.write_text(SCRIPT)  # env:// rendezvous, then the agreement through its store
     out = launch.torchrun(script, nproc=world_size, timeout=90, stream=False)

@@ -7,6 +7,7 @@ gets each rank's value back; nbclient drives a real ipykernel, as JupyterLab wou
 from __future__ import annotations
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 CELLS = [
@@ -23,14 +24,6 @@ CELLS = [
 ]
 
 
-def test_notebook_function_runs_on_four_ranks(no_leftovers: None) -> None:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
-    outputs = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
-    assert outputs[2].strip() == "[6, 16, 26, 36]"
-    assert outputs[3].strip() == "[0, -10, -20, -30]"
-
-
 SKIP_CELL = """%%torchrun -n 2 --timeout 30
 import torch
 import torch.distributed as dist
@@ -41,13 +34,42 @@ if world.rank == 0:
     dist.all_reduce(t)
 print("done", world.rank)"""
 
+MAGIC_CELLS = ["lr = 0.25",
+               "%%torchrun -n 2 --quiet {lr}\n"
+               "import sys\n"
+               "from dtlib.runtime import dist as ddist\n"
+               "world = ddist.init()\n"
+               "result = {'rank': world.rank, 'lr': float(sys.argv[1])}",
+               "print(torchrun_result.values)",
+               # a kernel variable is not visible in the ranks
+               "%%torchrun -n 2 --quiet\nresult = 'lr' in globals()",
+               "print(torchrun_result.values)"]
+
+
+@pytest.fixture(scope="module")
+def kernel_cells() -> list:
+    """One real kernel runs every cell below in turn (one kernel start-up, not three);
+    the skipped collective's cell is expected to raise."""
+    cells = CELLS + ["%load_ext dtlib", SKIP_CELL] + MAGIC_CELLS
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    return nb.cells
+
+
+def texts(cells: list) -> list[str]:
+    return ["".join(o.get("text", "") for o in cell.outputs) for cell in cells]
+
+
+def test_notebook_function_runs_on_four_ranks(kernel_cells, no_leftovers: None) -> None:
+    outputs = texts(kernel_cells[:len(CELLS)])
+    assert outputs[2].strip() == "[6, 16, 26, 36]"
+    assert outputs[3].strip() == "[0, -10, -20, -30]"
+
 
 def test_torchrun_cell_that_skips_a_collective_names_waiter_and_finisher(
-        no_leftovers: None) -> None:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("%load_ext dtlib"),
-                                         nbformat.v4.new_code_cell(SKIP_CELL)])
-    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
-    error = next(o for o in nb.cells[1].outputs if o.output_type == "error")
+        kernel_cells, no_leftovers: None) -> None:
+    cell = kernel_cells[len(CELLS) + 1]
+    error = next(o for o in cell.outputs if o.output_type == "error")
     shown = "\n".join(error.traceback)
     assert error.ename == "CollectiveMismatch"
     assert "rank 0: in all_reduce at cell line 8: dist.all_reduce(t)" in shown
@@ -58,20 +80,9 @@ def test_torchrun_cell_that_skips_a_collective_names_waiter_and_finisher(
 
 
 def test_torchrun_cell_takes_values_in_on_the_magic_line_and_returns_result(
-        no_leftovers: None) -> None:
-    cells = ["%load_ext dtlib",
-             "lr = 0.25",
-             "%%torchrun -n 2 --quiet {lr}\n"
-             "import sys\n"
-             "from dtlib.runtime import dist as ddist\n"
-             "world = ddist.init()\n"
-             "result = {'rank': world.rank, 'lr': float(sys.argv[1])}",
-             "print(torchrun_result.values)",
-             # a kernel variable is not visible in the ranks
-             "%%torchrun -n 2 --quiet\nresult = 'lr' in globals()",
-             "print(torchrun_result.values)"]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
-    outputs = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
-    assert outputs[3].strip() == "[{'rank': 0, 'lr': 0.25}, {'rank': 1, 'lr': 0.25}]"
-    assert outputs[5].strip() == "[False, False]"
+        kernel_cells, no_leftovers: None) -> None:
+    magic = kernel_cells[len(CELLS) + 2:]
+    assert not [o for c in magic for o in c.outputs if o.output_type == "error"]
+    outputs = texts(magic)
+    assert outputs[2].strip() == "[{'rank': 0, 'lr': 0.25}, {'rank': 1, 'lr': 0.25}]"
+    assert outputs[4].strip() == "[False, False]"

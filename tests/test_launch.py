@@ -51,7 +51,7 @@ def test_spawn_names_the_failing_rank_and_its_exception() -> None:
 def test_spawn_deadlock_reports_each_rank(no_leftovers: None) -> None:
     start = time.monotonic()
     with pytest.raises(launch.LaunchTimeout) as info:
-        launch.spawn(_deadlock, 2, timeout=5, stream=False)
+        launch.spawn(_deadlock, 2, timeout=3, stream=False)
     assert time.monotonic() - start < 15
     report = info.value.report
     assert "rank 0: in all_reduce" in report[0] and "test_launch.py line" in report[0]

@@ -43,7 +43,9 @@ def _raise_on_one() -> None:
     dist.barrier()
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# Four ranks (three finished, one waiting); two ranks go through spawn below, where the
+# report is built by the same code.
+@pytest.mark.parametrize("nproc", [4])
 def test_torchrun_names_finished_ranks_and_the_waiting_one(tmp_path, nproc,
                                                            no_leftovers) -> None:
     script = tmp_path / "skip.py"
@@ -71,7 +73,7 @@ def test_spawn_skip_and_exit_is_finished_not_dead(no_leftovers) -> None:
 
 def test_spawn_skip_and_sleep_times_out_naming_both_places(no_leftovers) -> None:
     with pytest.raises(launch.LaunchTimeout) as info:
-        launch.spawn(_skip_and_sleep, 2, timeout=5, stream=False)
+        launch.spawn(_skip_and_sleep, 2, timeout=3, stream=False)
     report = info.value.report
     assert "rank 0: in all_reduce" in report[0] and "dist.all_reduce(" in report[0]
     assert "rank 1: at test_launch_mismatch.py line" in report[1]
