@@ -39,49 +39,57 @@ def test_prediction_checker_accepts_the_sum(capsys) -> None:
 
 # ---- chapter 0: count the flagged ranks, on real ranks ------------------------------
 
-def count_by_all_reduce(flag: bool) -> int:
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t)
-    return int(t.item())
+def _answers() -> dict:
+    """The answers tried, defined inside a function: the ranks get them by value
+    (cloudpickle) instead of importing this test module and pytest on every rank."""
 
-
-def count_by_all_gather(flag: bool) -> int:
-    """A valid alternative: gather every flag, count them."""
-    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, torch.tensor([int(flag)]))
-    return int(sum(p.item() for p in parts))
-
-
-def count_under_flag(flag: bool) -> int:
-    """The chapter's mistake: only the flagged ranks join the all-reduce."""
-    t = torch.tensor([int(flag)])
-    if flag:
+    def count_by_all_reduce(flag: bool) -> int:
+        t = torch.tensor([int(flag)])
         dist.all_reduce(t)
-    return int(t.item())
+        return int(t.item())
+
+    def count_by_all_gather(flag: bool) -> int:
+        """A valid alternative: gather every flag, count them."""
+        n = dist.get_world_size()
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(parts, torch.tensor([int(flag)]))
+        return int(sum(p.item() for p in parts))
+
+    def count_under_flag(flag: bool) -> int:
+        """The chapter's mistake: only the flagged ranks join the all-reduce."""
+        t = torch.tensor([int(flag)])
+        if flag:
+            dist.all_reduce(t)
+        return int(t.item())
+
+    def count_on_rank_0_only(flag: bool) -> int:
+        t = torch.tensor([int(flag)])
+        dist.reduce(t, dst=0)
+        return int(t.item())
+
+    def count_for_four_ranks(flag: bool) -> int:
+        t = torch.tensor([int(not flag)])
+        dist.all_reduce(t)
+        return 4 - int(t.item())  # the page's world size, hard-coded
+
+    return {f.__name__: f for f in (count_by_all_reduce, count_by_all_gather,
+                                    count_under_flag, count_on_rank_0_only,
+                                    count_for_four_ranks)}
 
 
-def count_on_rank_0_only(flag: bool) -> int:
-    t = torch.tensor([int(flag)])
-    dist.reduce(t, dst=0)
-    return int(t.item())
-
-
-def count_for_four_ranks(flag: bool) -> int:
-    t = torch.tensor([int(not flag)])
-    dist.all_reduce(t)
-    return 4 - int(t.item())  # the page's world size, hard-coded
+ANSWERS = _answers()
 
 
 def test_count_checker_accepts_all_reduce_and_all_gather(capsys) -> None:
-    check_count_flagged(count_by_all_reduce, seed=1)
-    check_count_flagged(count_by_all_gather, world_sizes=(3,), seed=2)
+    check_count_flagged(ANSWERS["count_by_all_reduce"], seed=1)
+    check_count_flagged(ANSWERS["count_by_all_gather"], world_sizes=(3,), seed=2)
     assert capsys.readouterr().out.count("Correct") == 2
 
 
 @pytest.mark.parametrize("answer, world_sizes, message", [
     (lambda flag: int(flag), (2,), "expected"),             # its own flag only
-    (count_on_rank_0_only, (3,), "rank [12] returned"),     # right on rank 0 only
-    (count_for_four_ranks, (3,), "world_size=3"),          # the page's world only
+    (ANSWERS["count_on_rank_0_only"], (3,), "rank [12] returned"),  # on rank 0 only
+    (ANSWERS["count_for_four_ranks"], (3,), "world_size=3"),     # the page's world
 ])
 def test_count_checker_rejects_wrong_counts(answer, world_sizes, message) -> None:
     with pytest.raises(WrongAnswer, match=message):
@@ -92,7 +100,8 @@ def test_count_checker_rejects_a_collective_under_the_flag() -> None:
     # The hang (or, when the unflagged ranks exit first, the flagged ones' connection
     # error) is reported as a wrong answer; a short timeout suffices, the answer hangs.
     with pytest.raises(WrongAnswer, match="on 3 ranks your count_flagged"):
-        check_count_flagged(count_under_flag, world_sizes=(3,), seed=0, timeout=4.0)
+        check_count_flagged(ANSWERS["count_under_flag"], world_sizes=(3,), seed=0,
+                            timeout=4.0)
 
 
 # ---- chapter 2: the ring all-gather -------------------------------------------------
