@@ -1,9 +1,10 @@
-"""Chapter 6: the pipeline's messages obey NCCL's rules, not only gloo's.
+"""Chapter 6: the pipeline's messages cannot deadlock.
 
-gloo buffers a send, so two stages that send to each other at the same moment both get
-through. NCCL's send may wait until the peer posts the matching receive: the same order
-deadlocks on GPUs. These tests replay every stage's batches of point-to-point operations
-(:func:`p2p_plan`, the list :func:`pipeline_step` itself follows) under the strict rule
+A blocking send may wait until the peer has posted the matching receive, on gloo (its
+TCP pair transmits once the receiver has posted its buffer) as on NCCL: two stages that
+block sending to each other at the same moment never get through. These tests replay
+every stage's batches of point-to-point operations (:func:`p2p_plan`, the list
+:func:`pipeline_step` itself follows) under that rule
 - an operation completes only when its peer has posted the matching one, a stage posts
 its next batch only when the current one has completed, messages between a pair match
 in order - and fail on a deadlock or on a receive matched with the wrong message.

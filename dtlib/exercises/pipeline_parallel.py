@@ -2,121 +2,205 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
-from dtlib.pipeline_parallel.schedules import in_flight_peak, schedule_order
+from dtlib.pipeline_parallel.schedules import simulate
 
-GRID = [(p, m) for p in (1, 2, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
+# ---- reason it out: when does a stage start its first backward? ----------------------
 
-
-@checker
-def check_1f1b_order(order: Callable[[int, int, int], list]) -> None:
-    """Check ``order(stage, n_stages, n_microbatches)``: the list of ``("F", i)`` and
-    ``("B", i)`` actions stage ``stage`` runs under 1F1B (PipeDream-Flush)."""
-    for p, m in GRID:
-        for s in range(p):
-            want = schedule_order("1f1b", s, p, m)
-            got = [tuple(a) for a in order(s, p, m)]
-            if got != want:
-                k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
-                         min(len(got), len(want)))
-                what = (f"action {k} is {got[k]}" if k < len(got) else
-                        f"your list ends after {len(got)} actions")
-                raise WrongAnswer(
-                    f"stage {s} of p={p} with m={m}: {what}, and that is where it "
-                    "leaves 1F1B" + ("" if len(got) == len(want) else
-                                     f" ({len(got)} actions; 1F1B runs {len(want)})")
-                    + ".", "how many forwards does stage s run before its first "
-                    "backward can arrive from the last stage? After that warm-up, one "
-                    "forward and one backward take turns ('Two schedules').")
-    passed("your 1F1B order matches on every stage of p in {1, 2, 4, 8}")
+# Beyond the page's picture (p = 4, m = 8, t_f = 1, t_b = 2): other depths, micro-batch
+# counts (fewer than the stages too) and cost ratios, a backward cheaper than a forward
+# included. Every cost is a small binary fraction, so the clock's sums are exact.
+_FB_GRID = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (1, 2, 3, 5, 8, 16)]
+_FB_COSTS = ((1.0, 2.0), (1.0, 1.0), (2.0, 3.0), (0.5, 1.5), (3.0, 1.0))
 
 
 @checker
-def check_peak_in_flight(predict: Callable[[str, int, int, int], int]) -> None:
-    """Check ``predict(schedule, stage, n_stages, n_microbatches)``: the most
-    micro-batches whose activations stage ``stage`` holds at once."""
+def check_first_backward(predict: Callable[..., float]) -> None:
+    """Check ``predict(schedule, stage, n_stages, n_microbatches, t_f, t_b)``: the time
+    at which stage ``stage`` starts its first backward on the ideal clock of
+    :func:`dtlib.pipeline_parallel.schedules.simulate` (messages free, a forward takes
+    ``t_f``, a backward ``t_b``, the step starts at 0)."""
     for schedule in ("gpipe", "1f1b"):
-        for p, m in GRID:
-            for s in range(p):
-                want = in_flight_peak(schedule_order(schedule, s, p, m))
-                got = predict(schedule, s, p, m)
-                if got != want:
-                    side = "too many" if isinstance(got, (int, float)) and \
-                        got > want else "not the right count"
-                    raise WrongAnswer(
-                        f"{schedule}, stage {s}, p={p}, m={m}: {got!r} is {side}.",
-                        "GPipe runs every forward before any backward; 1F1B frees one "
-                        "micro-batch for each new one after its warm-up "
-                        "('Activation memory in flight').")
-    passed("your peak in-flight counts match GPipe and 1F1B on every stage")
+        for p, m in _FB_GRID:
+            for t_f, t_b in _FB_COSTS:
+                events = simulate(schedule, p, m, t_f, t_b)
+                for s in range(p):
+                    want = min(e.start for e in events
+                               if e.stage == s and e.kind == "B")
+                    got = predict(schedule, s, p, m, t_f, t_b)
+                    if isinstance(got, bool) or not isinstance(got, (int, float)):
+                        raise WrongAnswer(f"predict returned {got!r}: return a time, "
+                                          "a number")
+                    # the clock adds exact binary fractions: only the learner's own
+                    # rounding (a division, say) may differ, by a few ulps
+                    if not math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-12):
+                        side = "late" if got > want else "early"
+                        raise WrongAnswer(
+                            f"{schedule}, stage {s} of p={p}, m={m}, t_f={t_f:g}, "
+                            f"t_b={t_b:g}: {got!r} is too {side}.",
+                            "which micro-batch's backward runs first under this "
+                            "schedule? Follow it: its forward must leave the last "
+                            "stage, then its gradient comes back one stage at a time, "
+                            "each stage spending one backward on it ('Two schedules').")
+    passed("your first-backward times match the ideal clock for both schedules, "
+           f"p up to {max(p for p, _ in _FB_GRID)}, and {len(_FB_COSTS)} cost ratios")
 
 
 # ---- build it: one GPipe step of a two-stage pipeline, on two real ranks -------------
 
-_PP_MICRO, _PP_BATCH, _PP_HIDDEN = 3, 2, 8
+_PP_BATCH = 2
+# (micro-batches, hidden width): the page's exercise shape and one it does not show
+_PP_CONFIGS = ((3, 8), (4, 5))
 
 
-def _pp_stages() -> list[torch.nn.Module]:
+def _pp_stages(hidden: int) -> list[torch.nn.Module]:
     torch.manual_seed(0)
-    return [torch.nn.Sequential(torch.nn.Linear(4, _PP_HIDDEN), torch.nn.Tanh()),
-            torch.nn.Linear(_PP_HIDDEN, 3)]
+    return [torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh()),
+            torch.nn.Linear(hidden, 3)]
 
 
-def _pp_data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _pp_data(n_micro: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(_PP_BATCH, 4, generator=gen) for _ in range(_PP_MICRO)]
-    ys = [torch.randn(_PP_BATCH, 3, generator=gen) for _ in range(_PP_MICRO)]
+    xs = [torch.randn(_PP_BATCH, 4, generator=gen) for _ in range(n_micro)]
+    ys = [torch.randn(_PP_BATCH, 3, generator=gen) for _ in range(n_micro)]
     return xs, ys
 
 
-def _pp_on_rank(step: Callable[..., Any]) -> dict[str, Any]:
-    """On each of two ranks: the learner's step with this rank's stage and data."""
+class _Recv:
+    """A receive's request: notes in the trace when the learner's wait returns."""
+
+    def __init__(self, work: Any, done: Callable[[], None]) -> None:
+        self._work, self._done, self._noted = work, done, False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._work.wait(*args, **kwargs)
+        if not self._noted:
+            self._noted = True
+            self._done()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _P2PTrace:
+    """While active, record this rank's point-to-point traffic and its stage's work.
+
+    ``trace`` gets ``("F",)`` when a forward of the stage starts, ``("B",)`` when a
+    backward reaches its first parameter, ``("S", shape)`` when a send is posted and
+    ``("R", shape)`` when a receive has completed (a blocking ``recv`` returned, or
+    the learner's ``wait`` on an ``irecv``). ``send``/``recv`` are ``isend``/``irecv``
+    plus ``wait`` in torch >= 2.7; wrapping all four in both namespaces sees either.
+    """
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        self.trace: list[tuple[Any, ...]] = []
+        self._depth = 0
+        self._stage = stage
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> "_P2PTrace":
+        import torch.distributed as dist
+
+        c10d = dist.distributed_c10d
+        orig = {n: getattr(c10d, n) for n in ("send", "recv", "isend", "irecv")}
+        trace = self.trace
+
+        def isend(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            if not self._depth:
+                trace.append(("S", tuple(tensor.shape)))
+            return orig["isend"](tensor, *a, **k)
+
+        def irecv(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            work = orig["irecv"](tensor, *a, **k)
+            if self._depth or work is None:
+                return work
+            return _Recv(work, lambda: trace.append(("R", tuple(tensor.shape))))
+
+        def send(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            trace.append(("S", tuple(tensor.shape)))
+            self._depth += 1
+            try:
+                return orig["send"](tensor, *a, **k)
+            finally:
+                self._depth -= 1
+
+        def recv(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            self._depth += 1
+            try:
+                out = orig["recv"](tensor, *a, **k)
+            finally:
+                self._depth -= 1
+            trace.append(("R", tuple(tensor.shape)))
+            return out
+
+        for module in (dist, c10d):  # the same function objects in both namespaces
+            for name, fn in (("send", send), ("recv", recv), ("isend", isend),
+                             ("irecv", irecv)):
+                self._saved.append((module, name, getattr(module, name)))
+                setattr(module, name, fn)
+        self._hooks.append(self._stage.register_forward_pre_hook(
+            lambda *_: trace.append(("F",))))
+        first = next(self._stage.parameters())
+        self._hooks.append(first.register_hook(lambda g: trace.append(("B",))))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, fn in reversed(self._saved):
+            setattr(module, name, fn)
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _pp_on_rank(steps: tuple[Callable[..., Any], ...]) -> list[list[dict[str, Any]]]:
+    """On each of two ranks, per step and config: the step with this rank's stage and
+    data, the stage's gradients and the trace of what the rank did in which order."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    stage = _pp_stages()[rank]
-    xs, ys = _pp_data()
-    loss = step(stage, xs if rank == 0 else None, ys if rank == 1 else None,
-                (_PP_BATCH, _PP_HIDDEN))
-    return {"loss": loss, "grads": [None if p.grad is None else p.grad.clone()
-                                    for p in stage.parameters()]}
+    out = []
+    for step in steps:
+        per_config = []
+        for n_micro, hidden in _PP_CONFIGS:
+            stage = _pp_stages(hidden)[rank]
+            xs, ys = _pp_data(n_micro)
+            with _P2PTrace(stage) as rec:
+                loss = step(stage, xs if rank == 0 else None,
+                            ys if rank == 1 else None, (_PP_BATCH, hidden))
+            if isinstance(loss, torch.Tensor):
+                loss = loss.item()
+            per_config.append({"loss": loss, "trace": rec.trace,
+                               "grads": [None if p.grad is None else p.grad.clone()
+                                         for p in stage.parameters()]})
+        out.append(per_config)
+    return out
 
 
-def _pp_truth() -> dict[str, Any]:
-    stages = _pp_stages()
-    xs, ys = _pp_data()
-    losses = [F.mse_loss(stages[1](stages[0](x)), y) / _PP_MICRO
-              for x, y in zip(xs, ys)]
+def _pp_truth(n_micro: int, hidden: int) -> dict[str, Any]:
+    stages = _pp_stages(hidden)
+    xs, ys = _pp_data(n_micro)
+    losses = [F.mse_loss(stages[1](stages[0](x)), y) / n_micro for x, y in zip(xs, ys)]
     sum(losses).backward()
     return {"loss": sum(l.item() for l in losses),
             "grads": [[p.grad for p in s.parameters()] for s in stages]}
 
 
-@checker
-def check_pipeline_step(step: Callable[..., Any]) -> None:
-    """Check ``step(stage, micro_batches, targets, act_shape)`` on two real ranks.
-
-    Rank 0 holds the first stage and the input micro-batches (``targets`` is None),
-    rank 1 the second stage and the targets (``micro_batches`` is None); activations
-    of shape ``act_shape`` go 0 -> 1 and their gradients 1 -> 0 by send/recv. The loss
-    of a micro-batch is ``F.mse_loss(output, target) / len(targets)``. Rank 1 returns
-    the summed loss, rank 0 anything; afterwards both stages' gradients must equal one
-    process's on the whole batch.
-    """
-    truth = _pp_truth()
-    ranks = run_on_ranks(_pp_on_rank, step, 2, timeout=30,
-                         what="your pipeline step")
-    loss = ranks[1]["loss"]
-    if isinstance(loss, torch.Tensor):
-        loss = loss.item()
+def _check_numbers(res: list[dict[str, Any]], n_micro: int, hidden: int) -> None:
+    """Loss on rank 1 and both stages' gradients against one process."""
+    truth = _pp_truth(n_micro, hidden)
+    loss = res[1]["loss"]
     if not isinstance(loss, (int, float)) or isinstance(loss, bool):
         raise WrongAnswer(f"rank 1 returned {loss!r}: return the summed loss, a number")
-    if abs(loss - truth["loss"] * _PP_MICRO) < 1e-5 * abs(truth["loss"] * _PP_MICRO):
+    # float32 sums of a handful of terms, in another order: ~1e-7 relative; 1e-5 is
+    # far below the factor m that the usual mistake makes
+    if abs(loss - truth["loss"] * n_micro) < 1e-5 * abs(truth["loss"] * n_micro):
         raise WrongAnswer("the loss is len(targets) times too large.",
                           "each micro-batch's loss is divided by the number of "
                           "micro-batches, so that the step's gradient is the mean's")
@@ -125,19 +209,130 @@ def check_pipeline_step(step: Callable[..., Any]) -> None:
                           "the same micro-batches.")
     for rank, name in ((1, "the second stage (rank 1)"),
                        (0, "the first stage (rank 0)")):
-        for got, want in zip(ranks[rank]["grads"], truth["grads"][rank]):
+        for got, want in zip(res[rank]["grads"], truth["grads"][rank]):
             if got is None:
                 raise WrongAnswer(
                     f"{name} has no gradient.", "rank 1 must send each micro-batch's "
                     "activation gradient back (the input's .grad, which needs "
                     "requires_grad_()), and rank 0 must call y.backward(grad) on the "
                     "output it sent ('Two schedules').")
-            if torch.allclose(got, want * _PP_MICRO, rtol=1e-4, atol=1e-6):
+            # the same float32 sums in another order (see above): rtol 1e-4 with an
+            # atol for elements near zero, both far below a factor m or a lost term
+            if torch.allclose(got, want * n_micro, rtol=1e-4, atol=1e-6):
                 raise WrongAnswer(
                     f"{name}: gradients are len(targets) times too large.")
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
                 raise WrongAnswer(f"{name}: gradients differ from one process's.",
                                   "pair each activation gradient with the output of "
                                   "the same micro-batch")
-    passed(f"your two-stage step equals one process: loss and gradients, "
-           f"{_PP_MICRO} micro-batches")
+
+
+def _positions(trace: list[tuple[Any, ...]], kind: str) -> list[int]:
+    return [i for i, ev in enumerate(trace) if ev[0] == kind]
+
+
+def _check_pipelined(res: list[dict[str, Any]], n_micro: int, hidden: int) -> None:
+    """The order of each rank's work and messages is GPipe's, message by message.
+
+    GPipe on two stages: each rank runs every forward, then every backward; rank 0
+    sends each activation before it starts the next forward, rank 1 starts each
+    forward before its next activation arrives, and in backward the roles swap. A
+    step that holds messages back (all forwards, then all sends; one concatenated
+    message) or runs a micro-batch's backward before the next one's forward keeps the
+    other stage waiting: it computes the same numbers without pipelining.
+    """
+    act = (_PP_BATCH, hidden)
+    for rank in (0, 1):
+        trace = res[rank]["trace"]
+        shown = " ".join(ev[0] for ev in trace) or "(nothing)"
+        where = (f"m={n_micro}: rank {rank} did, in order (F forward, B backward, S "
+                 f"send posted, R receive done): {shown}.")
+        for kind, what in (("F", "forwards"), ("B", "backwards"),
+                           ("S", "sends"), ("R", "receives")):
+            n = len(_positions(trace, kind))
+            if n != n_micro:
+                raise WrongAnswer(
+                    f"{where} That is {n} {what} for {n_micro} micro-batches.",
+                    "a pipeline moves one micro-batch at a time: one forward, one "
+                    "backward, one message each way per micro-batch, each sent as "
+                    "soon as it exists (dist.send / dist.recv, or isend / irecv "
+                    "and wait)")
+        bad = [ev[1] for ev in trace if ev[0] in "SR" and ev[1] != act]
+        if bad:
+            raise WrongAnswer(f"{where} A message of shape {bad[0]}: each one is one "
+                              f"micro-batch's activation or its gradient, {act}.")
+        fwd, bwd = _positions(trace, "F"), _positions(trace, "B")
+        sends, recvs = _positions(trace, "S"), _positions(trace, "R")
+        if bwd[0] < fwd[-1]:
+            raise WrongAnswer(
+                f"{where} A backward runs before the last forward: one micro-batch "
+                "at a time (or 1F1B), not GPipe.",
+                "GPipe runs every micro-batch's forward first, then every backward; "
+                "the other stage works on micro-batch i while this one does i + 1 "
+                "('Two schedules')")
+        # sender: message k leaves before compute k + 1 starts; receiver: compute k
+        # starts before message k + 1 is taken in
+        produce, consume = (fwd, bwd) if rank == 0 else (bwd, fwd)
+        for k in range(n_micro - 1):
+            if sends[k] > produce[k + 1]:
+                raise WrongAnswer(
+                    f"{where} Message {k} leaves only after the next micro-batch's "
+                    "work has started: the other stage waits idle meanwhile.",
+                    "send each micro-batch's result as soon as it is computed, before "
+                    "computing the next one")
+            if consume[k] > recvs[k + 1]:
+                raise WrongAnswer(
+                    f"{where} The work on micro-batch {k} starts only after message "
+                    f"{k + 1} has been received: this stage waited for the other's "
+                    "next result before starting on the first.",
+                    "start on each micro-batch as soon as its message is in, before "
+                    "receiving the next one")
+
+
+def pipeline_step_verdicts(steps: Sequence[Callable[..., Any]]
+                           ) -> list[WrongAnswer | None]:
+    """Judge several two-stage steps in one launch of two ranks (one after the other on
+    the same ranks): the work of :func:`check_pipeline_step`, which judges one.
+
+    Args:
+        steps: functions ``step(stage, micro_batches, targets, act_shape)``.
+    Returns:
+        Per step, the :class:`WrongAnswer` it earns, or None for a right one.
+
+    Taught in: Chapter 6, exercise "One GPipe step on two ranks".
+    """
+    ranks = run_on_ranks(_pp_on_rank, tuple(steps), 2, timeout=30,
+                         what="your pipeline step")
+    verdicts: list[WrongAnswer | None] = []
+    for k in range(len(steps)):
+        try:
+            for i, (n_micro, hidden) in enumerate(_PP_CONFIGS):
+                res = [ranks[0][k][i], ranks[1][k][i]]
+                _check_numbers(res, n_micro, hidden)
+                _check_pipelined(res, n_micro, hidden)
+        except WrongAnswer as exc:
+            verdicts.append(exc)
+        else:
+            verdicts.append(None)
+    return verdicts
+
+
+@checker
+def check_pipeline_step(step: Callable[..., Any]) -> None:
+    """Check ``step(stage, micro_batches, targets, act_shape)`` on two real ranks.
+
+    Rank 0 holds the first stage and the input micro-batches (``targets`` is None),
+    rank 1 the second stage and the targets (``micro_batches`` is None); activations
+    of shape ``act_shape`` go 0 -> 1 and their gradients 1 -> 0 by send/recv (or
+    isend/irecv and wait). The loss of a micro-batch is ``F.mse_loss(output, target) /
+    len(targets)``. Rank 1 returns the summed loss, rank 0 anything; both stages'
+    gradients must equal one process's on the whole batch, and the order of each
+    rank's forwards, backwards and messages must be GPipe's (:func:`_check_pipelined`).
+    Two shapes run: the page's and one it does not show.
+    """
+    (verdict,) = pipeline_step_verdicts([step])
+    if verdict is not None:
+        raise verdict
+    passed("your two-stage GPipe step equals one process (loss and gradients) and "
+           "sends, receives and computes in GPipe's order, for "
+           + " and ".join(f"{m} micro-batches" for m, _ in _PP_CONFIGS))

@@ -181,9 +181,11 @@ def p2p_plan(schedule: str, stage: int, n_stages: int,
              n_microbatches: int) -> list[tuple[tuple[P2P, ...], Action | None]]:
     """The messages stage ``stage`` exchanges, batched as NCCL needs them.
 
-    NCCL's send may wait until the peer posts the matching receive. If two stages
-    both block in a send to each other (1F1B, p = 2: stage 0 sends activation 1 while
-    stage 1 sends gradient 0) neither ever receives: a deadlock gloo hides by buffering.
+    A blocking send may wait until the peer has posted the matching receive, on gloo
+    as on NCCL (gloo's TCP pair transmits once the receiver has posted its buffer, and
+    ``dist.send`` is ``isend`` + ``wait``). If two stages both block in a send to each
+    other (1F1B, p = 2: stage 0 sends activation 1 while stage 1 sends gradient 0)
+    neither ever receives: a deadlock, on either backend.
     So, as torch's ``Schedule1F1B`` does, each action's outgoing message is not sent
     alone: it is issued in one ``batch_isend_irecv`` with the receive the *next*
     action needs (forward-send with backward-receive, backward-send with the next
@@ -239,7 +241,7 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
     those of the mean of the micro-batch losses: with equal micro-batches, the
     full-batch mean loss. Messages follow :func:`p2p_plan`: each action's outgoing
     message goes in one ``batch_isend_irecv`` with the next action's receive, so no
-    two stages ever block sending to each other (NCCL's rule, not only gloo's).
+    two stages ever block sending to each other (a deadlock on any backend).
 
     Args:
         stage_module: this rank's stage (stage index = rank in ``group``).
