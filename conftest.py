@@ -17,6 +17,9 @@ _NOTEBOOK_SECONDS: dict[str, float] = collections.defaultdict(float)
 # Every launch from this test session (and from subprocesses it starts) carries this
 # mark in its environment: other sessions' launches on the same machine are not ours.
 OWNER = os.environ.setdefault("DTLIB_LAUNCH_OWNER", str(os.getpid()))
+# Deprecated API called from dtlib's own code fails the run, in this process and in
+# every kernel and rank it starts (see dtlib/__init__.py; tests/test_deprecations.py).
+os.environ.setdefault("DTLIB_STRICT_WARNINGS", "1")
 
 
 def launched_processes(pattern: str = "") -> list[psutil.Process]:

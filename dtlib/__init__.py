@@ -13,9 +13,19 @@ starts. In a notebook, ``%load_ext dtlib`` registers the ``%%torchrun`` cell mag
 
 from __future__ import annotations
 
+import os as _os
 from typing import Any
 
 __version__ = "0.1.0"
+
+#: Set to 1 (the test suite does) and deprecated API that dtlib's own code calls is an
+#: error in every process that imports dtlib: the test process, each notebook kernel,
+#: every rank (see :mod:`dtlib.runtime.strict_warnings`).
+STRICT_WARNINGS_ENV = "DTLIB_STRICT_WARNINGS"
+if _os.environ.get(STRICT_WARNINGS_ENV) == "1":
+    from dtlib.runtime import strict_warnings as _strict
+
+    _strict.install()
 
 
 def load_ipython_extension(ipython: Any) -> None:
