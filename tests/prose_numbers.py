@@ -46,15 +46,18 @@ _NUMBER = re.compile(
     r"(?:[x×](?!\w))?(?![\w])")
 # What comes right before a number and makes it an index or a name.
 _NAME_BEFORE = re.compile(
-    r"(?:chapter|chapters|ch|§|section|sections|table|tables|figure|fig\.|eq\.|"
+    r"(?<![\w\-])(?:chapter|chapters|ch|§|section|sections|table|tables|figure|fig\.|eq\.|"
     r"equation|errata|erratum|rank|ranks|stage|stages|step|steps|line|lines|cell|"
     r"issue|version|torch|pytorch|python|deepspeed|transformers|nccl|cuda|sm|"
-    r"zero-|zero|stage-|llama-|llama|gpt-|gpt|mistral|qwen|t|layer|block|device|"
+    r"zero-|zero|stage-|llama-|llama|gpt-|gpt|mistral|qwen|layer|block|device|"
     r"gpu|node|unit|units|micro-batch|bucket|no\.|part|level|dim|dimension|"
     r"phase|round|epoch|algorithm|listing|appendix|item|defect|mistake|exercise)"
     r"\s*[-–]?\s*$", re.I)
 _YEAR = re.compile(r"^(19|20)\d\d$")
-_NAME_AFTER = re.compile(r"^(?:\s*(?:st|nd|rd|th)\b|[.,]\w|-(?:bit|byte|way|D|d)\b)")
+_NAME_AFTER = re.compile(
+    r"^(?:\s*(?:st|nd|rd|th)\b|[.,]\w|-(?:bit|byte|way|D|d|rank|node|GPU|layer|step|"
+    r"stage|block|token|element)s?\b"
+    r"|\s*minutes to read)")  # a reading-time estimate, not a measurement
 # A count of ranks (or GPUs, nodes) is the world a cell sets up, not a result.
 _WORLD_AFTER = re.compile(r"^\s*(?:ranks?|processes|GPUs?|nodes?|devices|cores)\b")
 
@@ -115,7 +118,7 @@ def claims_in_text(text: str, notebook: str, allow: list[str]) -> list[Claim]:
     for m in _NUMBER.finditer(masked):
         start, end = m.span()
         before = masked[max(0, start - 24):start]
-        if _NAME_BEFORE.search(before) or _NAME_AFTER.match(masked[end:end + 6]):
+        if _NAME_BEFORE.search(before) or _NAME_AFTER.match(masked[end:end + 20]):
             continue
         if _WORLD_AFTER.match(masked[end:end + 12]):
             continue
