@@ -329,17 +329,19 @@ def test_bad_variant_is_named() -> None:
 def test_numbers_checker() -> None:
     def right(h: int, b: int, s: int, tp: int) -> dict:
         return {"params_per_rank": (12 * h * h + 7 * h) // tp + 2 * h,
-                "allreduce_bytes": 16 * b * s * h}
+                "allreduce_bytes": 16 * b * s * h,
+                "ring_send_bytes": 16 * b * s * h * 2 * (tp - 1) / tp}
 
     def all_split(h: int, b: int, s: int, tp: int) -> dict:  # forgets replicated biases
-        return {"params_per_rank": (12 * h * h + 9 * h) // tp,
-                "allreduce_bytes": 16 * b * s * h}
+        return {**right(h, b, s, tp), "params_per_rank": (12 * h * h + 9 * h) // tp}
 
     def forward_only(h: int, b: int, s: int, tp: int) -> dict:
-        return {"params_per_rank": right(h, b, s, tp)["params_per_rank"],
-                "allreduce_bytes": 8 * b * s * h}
+        return {**right(h, b, s, tp), "allreduce_bytes": 8 * b * s * h}
+
+    def message_is_wire(h: int, b: int, s: int, tp: int) -> dict:  # 2(N-1)/N left out
+        return {**right(h, b, s, tp), "ring_send_bytes": 16 * b * s * h}
 
     check_tp_numbers(right)
-    for wrong in (all_split, forward_only):
+    for wrong in (all_split, forward_only, message_is_wire):
         with pytest.raises(WrongAnswer):
             check_tp_numbers(wrong)

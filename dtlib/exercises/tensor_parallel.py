@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from dtlib.collectives.cost_model import cost_terms
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.tensor_parallel.gpt import block_tp_numbers
 from dtlib.tensor_parallel.layers import full_linear, tp_rank, tp_size
@@ -15,15 +16,18 @@ from dtlib.tensor_parallel.layers import full_linear, tp_rank, tp_size
 @checker
 def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
                      cases: tuple[tuple[int, int, int, int], ...] = (
-                         (64, 4, 16, 2), (1024, 8, 512, 4), (12288, 1, 2048, 8))
+                         (64, 4, 16, 2), (96, 3, 7, 3), (1024, 8, 512, 4),
+                         (12288, 1, 2048, 8))
                      ) -> None:
-    """Check ``predict(h, b, s, tp)`` -> ``{"params_per_rank", "allreduce_bytes"}``.
+    """Check ``predict(h, b, s, tp)`` -> ``{"params_per_rank", "allreduce_bytes",
+    "ring_send_bytes"}``.
 
     For one transformer block of the book's GPT (qkv, proj, fc, fc_proj split; fp32):
-    the parameters one rank stores in those four layers, and the bytes it all-reduces
-    in one training step (forward + backward). The truth is
+    the parameters one rank stores in those four layers, the bytes of the messages it
+    all-reduces in one training step (forward + backward), and the bytes it sends when
+    those all-reduces run as rings (``2 (tp - 1) / tp`` of each message). The truth is
     :func:`dtlib.tensor_parallel.gpt.block_tp_numbers`, which the tests check against
-    real ranks.
+    real ranks, and :func:`dtlib.collectives.cost_model.cost_terms`.
     """
     for h, b, s, tp in cases:
         got = predict(h, b, s, tp)
@@ -41,6 +45,13 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
                         "count the f and g operators in one block, and the shape and "
                         "dtype of the tensor each one all-reduces, in forward and in "
                         "backward ('Two ways to split a matmul')"))
+        # float arithmetic on integers below 2**53 and one ratio: a few ulps apart
+        check_close(f"{where}: ring_send_bytes", got.get("ring_send_bytes"),
+                    truth["allreduce_bytes"] * cost_terms("ring", "all_reduce", tp)[1],
+                    rel=1e-9, hint=(
+                        "a message is not what travels: in a ring all-reduce each rank "
+                        "sends 2(N-1)/N of the message, a reduce-scatter then an "
+                        "all-gather ('An all-gather that is not needed')"))
     passed(f"your formulas match the tensor-parallel block on {len(cases)} shapes")
 
 
