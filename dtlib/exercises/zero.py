@@ -159,7 +159,8 @@ def _zero2_on_rank(hook: Callable[[torch.nn.Parameter], None]) -> dict[str, Any]
         p.register_post_accumulate_grad_hook(hook)
     x, y = _zero2_batch(dist.get_rank())
     # count_comms names each collective once, whichever spelling the hook used
-    # (reduce_scatter_single, or reduce_scatter_tensor which calls it on torch 2.13);
+    # (reduce_scatter_single; reduce_scatter over a list; reduce_scatter_tensor, the
+    # older name, which calls reduce_scatter_single where that exists);
     # torch.distributed's functions only, as a hook calls them (no dispatch mode)
     with count_comms(functional=False) as log:
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -200,9 +201,9 @@ def check_zero2_hook(hook: Callable[[torch.nn.Parameter], None],
                 raise WrongAnswer(
                     f"{where}: your hook calls {other}.", "ZeRO-2 never needs the "
                     "whole averaged gradient on a rank: a reduce-scatter "
-                    "(dist.reduce_scatter_single, reduce_scatter_tensor before torch "
-                    "2.10) delivers only this rank's shard, half the traffic of an "
-                    "all-reduce ('The three stages').")
+                    "(dist.reduce_scatter_single, or dist.reduce_scatter over a list "
+                    "of chunks) delivers only this rank's shard, half the traffic of "
+                    "an all-reduce ('The three stages').")
             if res["comms"].count("reduce_scatter") != len(names):
                 raise WrongAnswer(f"{where}: {len(res['comms'])} reduce-scatters for "
                                   f"{len(names)} parameters; one per parameter.")

@@ -103,7 +103,9 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 #: DeepSpeed settings and their FSDP2 counterparts (Chapter 4's table).
 DEEPSPEED_TO_FSDP: list[dict[str, str]] = [
     {"DeepSpeed": "zero_optimization.stage = 3",
-     "FSDP2": "fully_shard(block) for each block, then fully_shard(model)"},
+     "FSDP2": "fully_shard(block) for each block, then fully_shard(model), with "
+              "reshard_after_forward=True (the default, None, keeps the root "
+              "gathered from forward to backward)"},
     {"DeepSpeed": "zero_optimization.stage = 2",
      "FSDP2": "closest: fully_shard(..., reshard_after_forward=False) (FSDP1: "
               "SHARD_GRAD_OP); parameters stay gathered from forward to backward, "

@@ -27,7 +27,8 @@ from dtlib.runtime.dist import world
 from dtlib.zero import no_decay_groups, parallelism
 
 __all__ = ["TinyMoE", "ROUTINGS", "OPTIMIZERS", "optimizer_of", "StateAfterStep",
-           "route", "moe_batch", "moe_reference", "moe_rank", "moe_demo_rank"]
+           "route", "moe_batch", "moe_reference", "moe_rank", "moe_demo_rank",
+           "fsdp2_reshard_traffic"]
 
 WIDTH, N_OUT, PER_RANK = 6, 3, 4
 
@@ -239,4 +240,44 @@ def moe_demo_rank() -> dict[str, Any]:
         out["stage3_error"] = "no error"
     except RuntimeError as exc:
         out["stage3_error"] = str(exc)
+    return out
+
+
+def fsdp2_reshard_traffic(gpt: dict[str, int], micro_batch: int = 2
+                          ) -> dict[str, dict[str, float]]:
+    """On each rank: one forward and backward of the GPT under FSDP2, blocks then root,
+    with ``fully_shard``'s default ``reshard_after_forward`` and with ``True``.
+
+    With the default (``None``) torch reshards every block after forward but not the
+    root (``_fully_shard.py``: "``True`` for non-root modules and ``False`` for root
+    modules"), so backward re-gathers the blocks only.
+
+    Args:
+        gpt: ``GPTConfig`` fields.
+        micro_batch: sequences per rank.
+    Returns:
+        ``{"default": {...}, "True": {...}}``, each with ``all_gather`` and
+        ``reduce_scatter`` in elements per rank over Psi (the ZeRO paper's count).
+
+    Taught in: Chapter 4, "FSDP2".
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from dtlib.collectives.accounting import count_comms
+    from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+    from dtlib.zero import zero_comm_elements
+
+    cfg, w = GPTConfig(**gpt), world()
+    out: dict[str, dict[str, float]] = {}
+    for name, kwargs in (("default", {}), ("True", {"reshard_after_forward": True})):
+        model = build_gpt(cfg).to(w.device)
+        psi = sum(p.numel() for p in model.parameters())
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        idx, targets = token_batch(cfg, micro_batch, seed=w.rank, device=w.device)
+        with count_comms() as log:
+            model(idx, targets)[1].backward()
+        out[name] = {op: zero_comm_elements(log, (op,)) / psi
+                     for op in ("all_gather", "reduce_scatter")}
     return out
