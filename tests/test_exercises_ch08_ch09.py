@@ -34,21 +34,9 @@ def _scale_by_all_gather(local_tokens):
     return dist.get_world_size() / float(torch.cat(every).sum())
 
 
-def _scale_two_all_reduces(local_tokens):
-    total = torch.tensor(float(sum(local_tokens)))
-    dist.all_reduce(total)
-    dist.all_reduce(torch.zeros(1))  # a needless second collective
-    return dist.get_world_size() / total.item()
-
-
 def test_loss_scale_accepts_all_gather(capsys) -> None:
     check_loss_scale_on_ranks(_scale_by_all_gather, world_sizes=(2,))
     assert "Correct" in capsys.readouterr().out
-
-
-def test_loss_scale_rejects_a_second_collective() -> None:
-    with pytest.raises(WrongAnswer, match="one collective is enough"):
-        check_loss_scale_on_ranks(_scale_two_all_reduces, world_sizes=(2,))
 
 
 # ---- Chapter 9: atomic save, judged by what it does to the files ----
@@ -144,20 +132,6 @@ def _dcp_load(model, optimizer, directory):
                    optim_state_dict=state["optim"])
 
 
-def _dcp_save_nested(model, optimizer, directory):
-    """Other top-level names: also valid, the checker finds the parameters."""
-    msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"app": {"weights": msd, "adam": osd}}, checkpoint_id=directory)
-
-
-def _dcp_load_nested(model, optimizer, directory):
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"app": {"weights": msd, "adam": osd}}
-    dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["app"]["weights"],
-                   optim_state_dict=state["app"]["adam"])
-
-
 def _dcp_model_only(model, optimizer, directory):
     dcp.save({"model": get_state_dict(model, optimizer)[0]}, checkpoint_id=directory)
 
@@ -191,23 +165,23 @@ def _load_without_set(model, optimizer, directory):
 def sharded_verdicts():
     """One 2-rank launch judges every answer that does not raise."""
     answers = {"dcp": (_dcp_save, _dcp_load),
-               "nested": (_dcp_save_nested, _dcp_load_nested),
                "model_only": (_dcp_model_only, _dcp_load_model_only),
                "per_rank": (_per_rank_save, _per_rank_load),
-               "not_set": (_dcp_save, _load_without_set)}
+               "not_set": (_dcp_save, _load_without_set),
+               "rank0": (_rank0_save, _rank0_load)}
     # 2 steps, saved after 1: AdamW has moments to lose, the launch stays short
     return dict(zip(answers, judge_sharded_resume(list(answers.values()), 2, 1)))
 
 
-@pytest.mark.parametrize("name", ["dcp", "nested"])
-def test_sharded_resume_accepts(sharded_verdicts, name) -> None:
-    assert sharded_verdicts[name] is None
+def test_sharded_resume_accepts_dcp(sharded_verdicts) -> None:
+    assert sharded_verdicts["dcp"] is None
 
 
 @pytest.mark.parametrize("name, message", [
     ("model_only", "resumed run is not the uninterrupted one"),
     ("per_rank", "one process cannot read the checkpoint's model back"),
     ("not_set", "weights are not the saved ones"),
+    ("rank0", "weights are not the saved ones"),
 ])
 def test_sharded_resume_rejects(sharded_verdicts, name, message) -> None:
     assert sharded_verdicts[name] is not None
@@ -217,17 +191,26 @@ def test_sharded_resume_rejects(sharded_verdicts, name, message) -> None:
 def _rank0_save(model, optimizer, directory):
     os.makedirs(directory, exist_ok=True)
     if dist.get_rank() == 0:  # ERRATA 40: rank 0 writes only the shards it holds
-        torch.save({"m": model.state_dict()}, os.path.join(directory, "model.pt"))
+        torch.save({n: p.to_local() for n, p in model.named_parameters()},
+                   os.path.join(directory, "model.pt"))
     dist.barrier()
 
 
 def _rank0_load(model, optimizer, directory):
-    model.load_state_dict(torch.load(os.path.join(directory, "model.pt"),
-                                     weights_only=False)["m"])
+    saved = torch.load(os.path.join(directory, "model.pt"), weights_only=True)
+    with torch.no_grad():  # every rank gets rank 0's shards
+        for n, p in model.named_parameters():
+            p.to_local().copy_(saved[n])
 
 
-def test_sharded_resume_checker_rejects_a_rank0_save() -> None:
-    with pytest.raises(WrongAnswer) as info:
-        check_sharded_resume(_rank0_save, _rank0_load, total_steps=2, stop_at=1)
-    assert "every rank must save" in str(info.value) + str(info.value.hint) or \
-        "failed on a rank" in str(info.value)
+def test_sharded_resume_checker_raises_the_verdict(monkeypatch, capsys) -> None:
+    """The checker is the judge's verdict on one answer (no launch here)."""
+    import dtlib.exercises.checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "judge_sharded_resume",
+                        lambda answers, *a: [WrongAnswer("the resumed run differs")])
+    with pytest.raises(WrongAnswer, match="the resumed run differs"):
+        check_sharded_resume(_dcp_save, _dcp_load)
+    monkeypatch.setattr(ckpt, "judge_sharded_resume", lambda answers, *a: [None])
+    check_sharded_resume(_dcp_save, _dcp_load)
+    assert "Correct" in capsys.readouterr().out
