@@ -212,9 +212,10 @@ def test_closed_form_feedback_never_shows_the_expected_value() -> None:
         with pytest.raises(WrongAnswer) as info:
             check_zero2_gb(7.5e9, 64, 20.0)
         assert "16.64" not in str(info.value)
-        with pytest.raises(WrongAnswer) as info:
-            check_format_constants("bf16", 2.0 ** -8, 2.0 ** -133)
-        assert "0.0078125" not in str(info.value) and "2**" not in str(info.value)
+        with pytest.raises(WrongAnswer) as info:  # eps one mantissa bit too fine
+            check_format_constants(lambda e, m: (2.0 ** -(m + 1), 2.0 ** (2 - 2 ** (
+                e - 1) - m), (2 - 2.0 ** -m) * 2.0 ** (2 ** (e - 1) - 1)))
+        assert "0.0009765625" not in str(info.value) and "2**" not in str(info.value)
 
 
 def _stub_predict(world_size: int, rank: int) -> float:
@@ -570,6 +571,26 @@ def test_fsdp2_wrapping_checker(capsys) -> None:
         check_fsdp2_wrapping(_fsdp_root_only)
     with pytest.raises(WrongAnswer, match="the root was sharded before its blocks"):
         check_fsdp2_wrapping(_fsdp_root_first)
+    with pytest.raises(WrongAnswer, match="keep their gathered parameters"):
+        check_fsdp2_wrapping(_fsdp_kept_gathered)
+    check_fsdp2_wrapping(_fsdp_explicit_default)  # reshard_after_forward=True, said
+    assert "Correct" in capsys.readouterr().out
+
+
+def _fsdp_kept_gathered(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=False)
+    return fully_shard(model)
+
+
+def _fsdp_explicit_default(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=True)
+    return fully_shard(model, reshard_after_forward=True)
 
 
 def _fsdp_root_first(model):

@@ -112,6 +112,38 @@ def test_korthikanti_table2_gpt3_175b():
     assert activation_bytes(**kw, sequence_parallel=True) == activation_bytes(**kw)
 
 
+def test_sdpa_attention_drops_the_score_term():
+    # A fused kernel stores no s x s matrix: the same bytes as selective recompute.
+    llama13 = dict(seq_len=4096, micro_batch=1, hidden=5120, n_heads=40, n_layers=40)
+    explicit = activation_bytes(**llama13)
+    sdpa = activation_bytes(**llama13, attention="sdpa")
+    assert sdpa == activation_bytes(**llama13, recompute="selective") == 28_521_267_200
+    assert explicit == 162_738_995_200  # sbh(34 + 5as/h) x 40 layers
+    assert round(explicit / sdpa, 1) == 5.7
+    for kw in (dict(tp=8), dict(tp=8, sequence_parallel=True)):
+        assert activation_bytes(**llama13, attention="sdpa", **kw) == \
+            activation_bytes(**llama13, recompute="selective", **kw)
+    assert activation_bytes(**llama13, attention="sdpa", recompute="full") == \
+        activation_bytes(**llama13, recompute="full")
+    with pytest.raises(ValueError, match="attention"):
+        activation_bytes(**llama13, attention="flash")
+    with pytest.raises(ValueError, match="attention"):
+        TrainingConfig(n_layers=8, hidden=64, n_heads=4, attention="eager")
+    from dtlib.chapters.ch01_memory.figures import PRESETS, preset_config
+
+    for name in PRESETS:
+        cfg = preset_config(name)
+        assert cfg.attention == ("sdpa" if name.startswith("Llama") else "explicit")
+
+
+def test_sdpa_block_measured_equals_its_terms():
+    for b in (1, 3):
+        cfg = GPTConfig(n_layers=1, hidden=32, n_heads=2, seq_len=16, attention="sdpa")
+        terms = gpt_layer_activation_terms(16, b, 32, 2, dtype_bytes=4, dropout=False,
+                                           mask_bytes=4, attention="sdpa")
+        assert measure_gpt_layer(cfg, b) == sum(terms.values())
+
+
 def test_layer_terms_sum_to_papers_formula():
     s, b, h, a = 2048, 2, 12288, 96
     terms = gpt_layer_activation_terms(s, b, h, a, dtype_bytes=2, dropout=True)
@@ -258,6 +290,10 @@ def test_exercise_checkers():
         ex.check_fitting_combinations({(3, "full")})
     with pytest.raises(WrongAnswer):
         ex.check_fitting_combinations(5)
+    # A reserved margin of up to RESERVED_MAX_FRACTION of the device is accepted.
+    with_margin = ex.fitting_combinations(80.0, ex.RESERVED_MAX_FRACTION * 80.0)
+    assert with_margin < truth
+    ex.check_fitting_combinations(with_margin)
 
 
 def test_planner_builds_headless():

@@ -14,6 +14,7 @@ from dtlib.chapters.ch07_mixed_precision.runs import scaler_trajectory, train_lo
 from dtlib.precision.loss_scaling import (DynamicLossScaler, grad_scaler_available,
                                           simulate_scale)
 from dtlib.precision.mixed_precision import (ManualMixedPrecision, flushed_fraction,
+                                             gradient_underflow,
                                              state_bytes_per_param)
 from dtlib.models.gpt import GPTConfig, build_gpt
 
@@ -104,6 +105,45 @@ def test_scaler_rules_and_validation():
         s.update()
 
 
+def test_ieee_constants_match_torch_finfo():
+    # Exact: every constant is a power of two or (2 - 2**-m) * 2**bias, exact in
+    # float64, and finfo reports the same doubles.
+    for dtype, (e, m) in ((torch.float16, (5, 10)), (torch.bfloat16, (8, 7)),
+                          (torch.float32, (8, 23)), (torch.float64, (11, 52))):
+        fi = torch.finfo(dtype)
+        assert ex.ieee_constants(e, m) == (fi.eps, fi.smallest_normal * fi.eps, fi.max)
+    with pytest.raises(ValueError, match="e_bits"):
+        ex.ieee_constants(1, 3)
+
+
+def test_activation_gradients_shrink_as_one_over_tokens_weight_gradients_do_not():
+    rows = gradient_underflow(torch.float16, (2, 32))
+    growth = rows[1]["tokens"] / rows[0]["tokens"]
+    act_fall = rows[0]["act_median"] / rows[1]["act_median"]
+    weight_fall = rows[0]["weight_median"] / rows[1]["weight_median"]
+    # The mean's 1/T is exact for every per-token gradient; the median of a
+    # different sample of tokens moves by sampling noise, well under a factor 2.
+    assert growth / 2 < act_fall < growth * 2
+    assert weight_fall < act_fall / 2
+    assert rows[1]["act_grads"].dtype == torch.float32
+    with pytest.raises(ValueError, match="batches"):
+        gradient_underflow(torch.float16, (0,))
+
+
+def test_widest_input_list_and_fp32_precision_setting():
+    from dtlib.precision import (CPU_PROMOTE_OPS, CUDA_PROMOTE_OPS,
+                                 fp32_matmul_precision, widest_input_demo)
+
+    assert "dot" in CUDA_PROMOTE_OPS and "index_copy" in CPU_PROMOTE_OPS
+    demo = widest_input_demo("cpu")
+    assert demo["op"] == "index_copy" and demo["with autocast"] == "fp32"
+    assert demo["without autocast"].startswith("error")
+    before = fp32_matmul_precision()
+    assert before in ("ieee", "tf32", "none")
+    with pytest.raises(ValueError, match="mode"):
+        fp32_matmul_precision("fast")
+
+
 def test_underflow_demo_numbers():
     fp16 = flushed_fraction(torch.float16)["flushed"]
     fp16_scaled = flushed_fraction(torch.float16, 2.0 ** 16)["flushed"]
@@ -166,11 +206,13 @@ def test_state_bytes_per_param_is_16():
 
 
 def test_checkers_accept_right_and_reject_wrong(capsys):
-    ex.check_format_constants("fp16", 2.0 ** -10, 2.0 ** -24)
-    with pytest.raises(WrongAnswer, match="eps"):
-        ex.check_format_constants("fp16", 2.0 ** -11, 2.0 ** -24)
-    with pytest.raises(WrongAnswer, match="subnormal"):
-        ex.check_format_constants("bf16", 2.0 ** -7, 2.0 ** -126)
+    ex.check_format_constants(ex.ieee_constants)
+    with pytest.raises(WrongAnswer, match="eps"):  # p - 1 taken for p
+        ex.check_format_constants(lambda e, m: (2.0 ** -(m + 1),
+                                                *ex.ieee_constants(e, m)[1:]))
+    with pytest.raises(WrongAnswer, match="subnormal"):  # the smallest normal instead
+        ex.check_format_constants(lambda e, m: (2.0 ** -m, 2.0 ** (2 - 2 ** (e - 1)),
+                                                ex.ieee_constants(e, m)[2]))
     vals = [1e-3, 1e-8, 1e-30]
     ex.check_underflow_prediction(vals, [False, True, True], [False, False, False])
     with pytest.raises(WrongAnswer, match="1e-08"):

@@ -7,28 +7,69 @@ from typing import Any, Callable
 import torch
 
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
-from dtlib.precision.loss_scaling import simulate_scale
-from dtlib.precision.formats import format_info
+
+
+# Formats the chapter does not tabulate (exponent bits, mantissa bits), IEEE-style:
+# the all-ones exponent is kept for inf and NaN. fp16 and fp64 are there too, so that
+# an answer is also checked against torch.finfo.
+FORMATS_TRIED = ((5, 10), (6, 9), (4, 3), (3, 4), (11, 52), (7, 16))
+
+
+def ieee_constants(e_bits: int, m_bits: int) -> tuple[float, float, float]:
+    """(eps, smallest subnormal, largest finite) of an IEEE-style binary format.
+
+    Args:
+        e_bits: exponent bits (>= 2).
+        m_bits: stored mantissa bits (>= 1).
+    Returns:
+        ``(2**-m, 2**(1 - bias - m), (2 - 2**-m) * 2**bias)`` with
+        ``bias = 2**(e - 1) - 1``: the largest exponent field, all ones, is inf/NaN.
+
+    Taught in: Chapter 7, "Floating-point formats".
+    """
+    if isinstance(e_bits, bool) or not isinstance(e_bits, int) or e_bits < 2:
+        raise ValueError(f"e_bits={e_bits!r} must be an integer >= 2")
+    if isinstance(m_bits, bool) or not isinstance(m_bits, int) or m_bits < 1:
+        raise ValueError(f"m_bits={m_bits!r} must be an integer >= 1")
+    bias = 2 ** (e_bits - 1) - 1
+    return (2.0 ** -m_bits, 2.0 ** (1 - bias - m_bits),
+            (2.0 - 2.0 ** -m_bits) * 2.0 ** bias)
 
 
 @checker
-def check_format_constants(name: str, eps: float, smallest_subnormal: float) -> None:
-    """Check machine epsilon and the smallest positive (subnormal) value of ``name``.
+def check_format_constants(constants: Callable[[int, int], tuple]) -> None:
+    """Check ``constants(e_bits, m_bits) -> (eps, smallest_subnormal, largest)`` on
+    IEEE-style formats the chapter does not show (:data:`FORMATS_TRIED`).
 
-    The truth is derived from the format's bits (``dtlib.precision.format_info``).
+    The truth is :func:`ieee_constants`, itself checked against ``torch.finfo`` and
+    the bit patterns by the tests.
     """
-    info = format_info(name)
-    check_close(f"{name} eps", eps, info.eps,
-                hint="eps is the gap between 1.0 and the next number the format "
-                     "holds: which mantissa bit is the last one? ('Floating-point "
-                     "formats')")
-    check_close(f"{name} smallest subnormal", smallest_subnormal,
-                info.smallest_subnormal,
-                hint="a subnormal has the smallest exponent the format allows and "
-                     "only its last mantissa bit set; the exponent bias follows from "
-                     "the number of exponent bits")
-    passed(f"{name}: eps = {info.eps!r}, "
-           f"smallest subnormal = {info.smallest_subnormal!r}")
+    names = ("eps", "smallest subnormal", "largest finite value")
+    hints = ("eps is the gap between 1.0 and the next number: the value of the last "
+             "stored mantissa bit at exponent 0",
+             "a subnormal has the smallest exponent a normal has, no implicit 1, and "
+             "only its last mantissa bit set",
+             "the largest exponent field (all ones) is kept for inf and NaN; the "
+             "largest finite value has the next exponent and every mantissa bit set")
+    for e_bits, m_bits in FORMATS_TRIED:
+        try:
+            got = tuple(constants(e_bits, m_bits))
+        except NotImplementedError:
+            raise
+        except Exception as err:  # the learner's code failed on a format
+            raise WrongAnswer(f"constants({e_bits}, {m_bits}) raised "
+                              f"{type(err).__name__}: {err}") from None
+        if len(got) != 3:
+            raise WrongAnswer(f"constants({e_bits}, {m_bits}) returned {len(got)} "
+                              "values; return (eps, smallest_subnormal, largest)")
+        truth = ieee_constants(e_bits, m_bits)
+        for name, g, t, hint in zip(names, got, truth, hints):
+            # Powers of two and (2 - 2**-m) * 2**bias are exact in float64: an
+            # exact answer is expected, up to one rounding of the product.
+            check_close(f"{name} of {e_bits} exponent and {m_bits} mantissa bits",
+                        g, t, rel=2.0 ** -52, hint=hint)
+    passed(f"eps, smallest subnormal and largest value right for {len(FORMATS_TRIED)} "
+           "formats, fp16 and fp64 among them")
 
 
 @checker
@@ -54,30 +95,80 @@ def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
 
 # ---- build it: one dynamic loss-scaler update that all ranks agree on ----------------
 
-# Which rank's gradients overflow at each step (2 ranks): the ranks disagree at 2
-# and 5.
-_OVERFLOWS = ((False, False), (False, False), (False, True), (True, True),
-              (False, False), (True, False), (False, False), (False, False))
-_INIT_SCALE, _INTERVAL = 2.0 ** 16, 3
+# (growth_interval, what each rank's gradients hold at each step): None, "inf" or
+# "nan". The ranks disagree at some steps, and a NaN alone (no inf) must skip too.
+SCALER_CASES = (
+    (3, ((None, None), (None, None), (None, "inf"), ("nan", "nan"), (None, None),
+         ("inf", None), (None, None), (None, None), (None, None), (None, "nan"),
+         (None, None))),
+    (2, ((None, None), (None, None), ("nan", None), (None, None), (None, None),
+         (None, None))),
+)
+_INIT_SCALE = 2.0 ** 16
 
 
-def _scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
-    """On each of two ranks: the learner's update over :data:`_OVERFLOWS`, with this
-    rank's own (scaled) gradients; what it returned and what it left in them."""
+def scaler_truth(overflows: tuple[bool, ...], growth_interval: int,
+                 init_scale: float = _INIT_SCALE) -> list[tuple[bool, float, int]]:
+    """``(skip, scale, growth_tracker)`` after each step of a dynamic loss scaler
+    with growth factor 2 and backoff 0.5 (GradScaler's defaults).
+
+    Args:
+        overflows: whether some rank overflowed, per step.
+        growth_interval: clean steps in a row before the scale doubles.
+        init_scale: the scale before the first step.
+    Returns:
+        One tuple per step.
+
+    Taught in: Chapter 7, "Loss scaling".
+    """
+    scale, tracker, out = init_scale, 0, []
+    for overflow in overflows:
+        if overflow:
+            scale, tracker = scale * 0.5, 0
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                scale, tracker = scale * 2.0, 0
+        out.append((bool(overflow), scale, tracker))
+    return out
+
+
+def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
+    """On each of two ranks: the learner's update over each of :data:`SCALER_CASES`,
+    with this rank's own (scaled) gradients.
+
+    Args:
+        step: the learner's ``step(grads, scale, growth_tracker, growth_interval)``.
+    Returns:
+        Per case, per step: ``(skip, scale, tracker, unscaled)``, or ``("bad",
+        message)`` where what it returned was not three numbers.
+
+    Taught in: Chapter 7, exercise "A loss-scaler step that the ranks agree on".
+    """
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    scale, tracker, out = _INIT_SCALE, 0, []
-    for i, flags in enumerate(_OVERFLOWS):
-        gen = torch.Generator().manual_seed(10 * i + rank)
-        grads = [torch.randn(4, generator=gen) * scale, torch.randn(3, generator=gen)
-                 * scale]
-        if flags[rank]:
-            grads[1][0] = float("inf")
-        want = [g / scale for g in grads]
-        skip, scale, tracker = step(grads, scale, tracker, _INTERVAL)
-        unscaled = flags[rank] or all(torch.allclose(g, w) for g, w in zip(grads, want))
-        out.append((bool(skip), float(scale), int(tracker), unscaled))
+    from dtlib.runtime.dist import world
+
+    rank, device, out = dist.get_rank(), world().device, []
+    for case, (interval, flags) in enumerate(SCALER_CASES):
+        scale, tracker, steps = _INIT_SCALE, 0, []
+        for i, per_rank in enumerate(flags):
+            gen = torch.Generator().manual_seed(100 * case + 10 * i + rank)
+            grads = [(torch.randn(4, generator=gen) * scale).to(device),
+                     (torch.randn(3, generator=gen) * scale).to(device)]
+            if per_rank[rank]:
+                grads[1][0] = float(per_rank[rank])
+            want = [g / scale for g in grads]
+            try:
+                skip, scale, tracker = step(grads, scale, tracker, interval)
+                scale, tracker = float(scale), int(tracker)
+            except (TypeError, ValueError) as err:
+                steps.append(("bad", repr(err)))
+                break
+            unscaled = per_rank[rank] is not None or all(
+                torch.allclose(g, w) for g, w in zip(grads, want))
+            steps.append((bool(skip), scale, tracker, unscaled))
+        out.append(steps)
     return out
 
 
@@ -87,35 +178,68 @@ def check_scaler_step(step: Callable[..., tuple]) -> None:
     new_scale, new_growth_tracker)`` on two real ranks.
 
     Each rank unscales its own gradients in place; the ranks agree whether any of them
-    overflowed (then all skip, the scale halves and the tracker resets); after
-    ``growth_interval`` clean steps in a row the scale doubles. Growth factor 2,
-    backoff 0.5, as GradScaler's defaults.
+    holds an inf or a NaN (then all skip, the scale halves and the tracker resets);
+    after ``growth_interval`` clean steps in a row the scale doubles and the tracker
+    restarts. Growth factor 2, backoff 0.5, as GradScaler's defaults. Two sequences
+    (:data:`SCALER_CASES`), two growth intervals, inf and NaN on one rank or both.
     """
-    truth = simulate_scale([any(f) for f in _OVERFLOWS], _INIT_SCALE, 2.0, 0.5,
-                           _INTERVAL)
-    ranks = run_on_ranks(_scaler_on_rank, step, 2, what="your scaler step")
-    for i, flags in enumerate(_OVERFLOWS):
-        (skip0, s0, _, u0), (skip1, s1, _, u1) = ranks[0][i], ranks[1][i]
-        where = f"step {i} (overflow on rank 0: {flags[0]}, on rank 1: {flags[1]})"
-        if skip0 != skip1 or s0 != s1:
-            raise WrongAnswer(
-                f"{where}: the ranks disagree: rank 0 skip={skip0}, scale={s0:g}; "
-                f"rank 1 skip={skip1}, scale={s1:g}. A rank that steps while another "
-                "skips makes the replicas drift apart.",
-                "each rank sees only its own gradients; let every rank learn whether "
-                "any rank found an inf or a nan (one all-reduce of a flag, with "
-                "ReduceOp.MAX)")
-        if skip0 != any(flags):
-            raise WrongAnswer(f"{where}: skip={skip0}.", "a step is skipped when, and "
-                              "only when, some rank's gradients hold an inf or a nan")
-        if s0 != truth[i]:
-            side = "too large" if s0 > truth[i] else "too small"
-            raise WrongAnswer(f"{where}: the scale afterwards is {side}.",
-                              "halve after an overflow and restart counting clean "
-                              f"steps; double after {_INTERVAL} clean steps in a row "
-                              "('Loss scaling')")
-        if not (u0 and u1):
-            raise WrongAnswer(f"{where}: the gradients were not unscaled in place "
-                              "(divided by the scale the loss was multiplied by).")
-    passed("both ranks skip together and update the scale like GradScaler over "
-           f"{len(_OVERFLOWS)} steps")
+    judge_scaler_steps(run_on_ranks(scaler_on_rank, step, 2, what="your scaler step"))
+
+
+def judge_scaler_steps(ranks: list[list[Any]]) -> None:
+    """Raise :class:`WrongAnswer` unless both ranks' results of
+    :func:`scaler_on_rank` agree with each other and with :func:`scaler_truth`;
+    say so if they do.
+
+    Args:
+        ranks: what :func:`scaler_on_rank` returned on rank 0 and rank 1.
+    Returns:
+        None.
+
+    Taught in: Chapter 7, exercise "A loss-scaler step that the ranks agree on".
+    """
+    for case, (interval, flags) in enumerate(SCALER_CASES):
+        truth = scaler_truth([any(f) for f in flags], interval)
+        for i, per_rank in enumerate(flags):
+            if min(len(ranks[0][case]), len(ranks[1][case])) <= i:
+                break  # a rank stopped early: its "bad" entry was reported above
+            r0, r1 = ranks[0][case][i], ranks[1][case][i]
+            where = (f"growth_interval={interval}, step {i} (rank 0 holds "
+                     f"{per_rank[0] or 'finite values'}, rank 1 "
+                     f"{per_rank[1] or 'finite values'})")
+            for r in (r0, r1):
+                if r[0] == "bad":
+                    raise WrongAnswer(f"{where}: return (skip, new_scale, "
+                                      f"new_growth_tracker) as numbers: {r[1]}")
+            (skip0, s0, t0, u0), (skip1, s1, t1, u1) = r0, r1
+            if skip0 != skip1 or s0 != s1:
+                raise WrongAnswer(
+                    f"{where}: the ranks disagree: rank 0 skip={skip0}, scale={s0:g}; "
+                    f"rank 1 skip={skip1}, scale={s1:g}. A rank that steps while "
+                    "another skips makes the replicas drift apart.",
+                    "each rank sees only its own gradients; let every rank learn "
+                    "whether any rank found an inf or a nan (one all-reduce of a "
+                    "flag, with ReduceOp.MAX)")
+            want_skip, want_scale, want_tracker = truth[i]
+            if skip0 != want_skip:
+                raise WrongAnswer(f"{where}: skip={skip0}.", "a step is skipped when, "
+                                  "and only when, some rank's gradients hold an inf "
+                                  "or a nan (torch.isfinite catches both)")
+            if s0 != want_scale:
+                side = "too large" if s0 > want_scale else "too small"
+                raise WrongAnswer(f"{where}: the scale afterwards is {side}.",
+                                  "halve after an overflow and restart counting clean "
+                                  f"steps; double after {interval} clean steps in a "
+                                  "row "
+                                  "('Loss scaling')")
+            if t0 != want_tracker or t1 != want_tracker:
+                raise WrongAnswer(
+                    f"{where}: you returned growth_tracker={t0} (rank 0), {t1} "
+                    "(rank 1).", "the tracker counts clean steps since the last "
+                    "overflow or growth: +1 after a clean step, back to 0 after an "
+                    "overflow and when the scale grows")
+            if not (u0 and u1):
+                raise WrongAnswer(f"{where}: the gradients were not unscaled in place "
+                                  "(divided by the scale the loss was multiplied by).")
+    passed("both ranks skip together on inf and NaN and update scale and tracker like "
+           f"GradScaler, over {len(SCALER_CASES)} sequences")

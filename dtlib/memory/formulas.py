@@ -30,6 +30,10 @@ _OPT_STATE_FP32 = {"adam": 8, "sgd": 0, "sgd_momentum": 4}  # moments, fp32
 PRECISIONS = ("fp32", "mixed")
 OPTIMIZERS = tuple(_OPT_STATE_FP32)
 RECOMPUTE = ("none", "selective", "full")
+# How attention is computed: "explicit" materialises the s x s softmax (and dropout) and
+# autograd saves it; "sdpa" is a fused kernel (FlashAttention, PyTorch's
+# scaled_dot_product_attention) that recomputes it blockwise in backward.
+ATTENTION = ("explicit", "sdpa")
 
 
 def _check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -121,7 +125,7 @@ def model_state_bytes(n_params: int, *, zero_stage: int = 0, dp: int = 1,
 
 def activation_bytes(seq_len: int, micro_batch: int, hidden: int, n_heads: int,
                      n_layers: int, *, tp: int = 1, sequence_parallel: bool = False,
-                     recompute: str = "none") -> int:
+                     recompute: str = "none", attention: str = "explicit") -> int:
     """Bytes of activations saved for backward by ``n_layers`` transformer layers.
 
     Korthikanti et al. 2022, Table 2, per layer (16-bit activations, 1-byte dropout
@@ -141,12 +145,22 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, n_heads: int,
     (Korthikanti §4.3, < 1 % at scale) are not added. ``sequence_parallel`` with
     ``tp=1`` is allowed and changes nothing (there is one rank to split over).
 
+    The 5as/h term is the s x s softmax output, dropout mask and dropout output that
+    an *explicit* attention stores. A fused kernel (FlashAttention, Dao et al. 2022;
+    ``torch.nn.functional.scaled_dot_product_attention``) never materialises them:
+    it saves its output and one fp32 log-sum-exp per head and row, and recomputes
+    the scores blockwise in backward. ``attention="sdpa"`` therefore drops the term,
+    which is what selective recomputation saves; the log-sum-exp (4as b bytes, i.e.
+    sbh x 4a/h, under 0.1 % of the layer for h/a = 128) is not added.
+
     Args:
         seq_len, micro_batch, hidden, n_heads, n_layers: positive integers;
             ``n_heads`` divides ``hidden``.
         tp: tensor-parallel degree; must divide ``n_heads``.
         sequence_parallel: split the norms and dropouts along the sequence too.
         recompute: "none", "selective" (recompute attention scores) or "full".
+        attention: "explicit" (the s x s matrices are stored) or "sdpa" (a fused
+            attention kernel that stores none of them).
     Returns:
         Bytes on one tensor-parallel rank (an integer; rounded up).
 
@@ -163,6 +177,7 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, n_heads: int,
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True/False")
     _check_choice("recompute", recompute, RECOMPUTE)
+    _check_choice("attention", attention, ATTENTION)
     sbh = s * b * h
     if recompute == "full":
         per_layer = 2 * sbh / (t if sequence_parallel else 1)
@@ -170,7 +185,8 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, n_heads: int,
         # 10 sbh (norm inputs, dropout masks and inputs) stays replicated across the
         # tensor-parallel ranks unless sequence parallelism splits it.
         outside = 10 / t if sequence_parallel else 10
-        scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+        stored = recompute == "none" and attention == "explicit"
+        scores = 5 * a * s / (h * t) if stored else 0
         per_layer = sbh * (outside + 24 / t + scores)
     return math.ceil(per_layer * n)
 
@@ -213,6 +229,8 @@ class TrainingConfig:
     precision: "mixed" (16-bit params/grads/activations) or "fp32".
     optimizer: "adam", "sgd" or "sgd_momentum".
     recompute: "none", "selective" or "full" activation recomputation.
+    attention: "explicit" (stores the s x s attention matrices) or "sdpa" (a fused
+        kernel such as FlashAttention, which stores none of them).
     sequence_parallel: Megatron sequence parallelism (needs tp > 1 to help).
     n_params: parameter count; None uses :func:`transformer_params` of the shape.
     """
@@ -230,6 +248,7 @@ class TrainingConfig:
     precision: str = "mixed"
     optimizer: str = "adam"
     recompute: str = "none"
+    attention: str = "explicit"
     sequence_parallel: bool = False
     n_params: int | None = field(default=None)
 
@@ -249,6 +268,7 @@ class TrainingConfig:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("recompute", self.recompute, RECOMPUTE)
+        _check_choice("attention", self.attention, ATTENTION)
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(
                 f"sequence_parallel={self.sequence_parallel!r} must be True or False")
@@ -303,7 +323,8 @@ def estimate(cfg: TrainingConfig) -> MemoryEstimate:
     - Model states: the parameters split evenly over the tp x pp model-parallel ranks
       (embeddings on the end stages are ignored), then ZeRO over ``dp``.
     - Activations: Korthikanti et al. 2022, Table 2 for the tp/sp/recompute choice,
-      in 16-bit; "fp32" doubles them (an upper bound: dropout masks stay 1 byte).
+      without the s x s attention term under ``attention="sdpa"``, in 16-bit;
+      "fp32" doubles them (an upper bound: dropout masks stay 1 byte).
     - Pipeline (non-interleaved 1F1B): a stage has n_layers/pp layers, and the first
       stage keeps ``pp`` micro-batches in flight, so it holds activations for
       pp x n_layers/pp = n_layers layers (Korthikanti §4.2.3; Narayanan §2.2).
@@ -324,7 +345,8 @@ def estimate(cfg: TrainingConfig) -> MemoryEstimate:
     stage_layers = cfg.n_layers // cfg.pp
     acts = cfg.pp * activation_bytes(
         cfg.seq_len, cfg.micro_batch, cfg.hidden, cfg.n_heads, stage_layers,
-        tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute)
+        tp=cfg.tp, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+        attention=cfg.attention)
     if cfg.precision == "fp32":
         acts *= 2
     return MemoryEstimate(states.params, states.grads, states.optimizer, acts)
@@ -346,7 +368,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "GB", "ModelStates", "MemoryEstimate", "TrainingConfig", "ActivationMeasurement",
+    "ATTENTION", "GB", "ModelStates", "MemoryEstimate", "TrainingConfig",
+    "ActivationMeasurement",
     "ModelStateMeasurement", "activation_bytes", "bytes_per_param", "estimate",
     "PAPER_OMITS", "gpt_layer_activation_terms", "measure_activations",
     "measure_gpt_layer", "measure_model_states",

@@ -175,8 +175,8 @@ def measure_activations(model: nn.Module, *inputs, **kwargs) -> ActivationMeasur
 
 def gpt_layer_activation_terms(seq_len: int, micro_batch: int, hidden: int,
                                n_heads: int, *, dtype_bytes: int = 2,
-                               dropout: bool = True,
-                               mask_bytes: int = 1) -> dict[str, int]:
+                               dropout: bool = True, mask_bytes: int = 1,
+                               attention: str = "explicit") -> dict[str, int]:
     """Bytes one ``dtlib.models.Block`` saves for backward, term by term.
 
     Korthikanti et al. 2022 §4.1 itemise a layer as 34 sbh + 5 as^2 b bytes with
@@ -191,12 +191,20 @@ def gpt_layer_activation_terms(seq_len: int, micro_batch: int, hidden: int,
     per layer by ``~mask``; the paper's fused softmax masks in the kernel).
     With ``dtype_bytes=2, dropout=True`` the paper's terms sum to sbh(34 + 5as/h).
 
+    ``attention="sdpa"`` is a fused kernel (FlashAttention; on CPU PyTorch's flash
+    kernel, which it picks without dropout): no softmax output, attention dropout
+    or causal mask is saved, only one fp32 log-sum-exp per head and row (as b x 4
+    bytes, a term the paper does not have). With dropout on, PyTorch's CPU SDPA
+    falls back to its math kernel, which stores the s x s tensors like "explicit".
+
     Args:
         seq_len, micro_batch, hidden, n_heads: s, b, h, a (positive integers).
         dtype_bytes: bytes per activation value: 2 (16-bit) or 4 (fp32).
         dropout: whether dropout is active (p > 0 in training mode).
         mask_bytes: bytes per dropout-mask element: 1 (paper, CUDA) or, on CPU,
             ``dtype_bytes``.
+        attention: "explicit" (the s x s tensors are saved) or "sdpa" (a fused
+            kernel that saves a log-sum-exp instead).
     Returns:
         ``{term: bytes}``; the keys in ``PAPER_OMITS`` are the two terms the paper
         neglects.
@@ -213,10 +221,12 @@ def gpt_layer_activation_terms(seq_len: int, micro_batch: int, hidden: int,
         raise ValueError(f"dtype_bytes={dtype_bytes!r} must be 2 or 4")
     if mask_bytes not in (1, 2, 4):
         raise ValueError(f"mask_bytes={mask_bytes!r} must be 1, 2 or 4")
+    if attention not in ("explicit", "sdpa"):
+        raise ValueError(f"attention={attention!r} must be 'explicit' or 'sdpa'")
     s, b, h, a, e = seq_len, micro_batch, hidden, n_heads, dtype_bytes
     sbh, ass = s * b * h, a * s * s * b
     mask = mask_bytes if dropout else 0  # bytes per mask element; 0: no dropout
-    return {
+    terms = {
         "layer-norm inputs (2)": 2 * e * sbh,
         "QKV projection input": e * sbh,
         "Q and K (for QK^T)": 2 * e * sbh,
@@ -231,9 +241,19 @@ def gpt_layer_activation_terms(seq_len: int, micro_batch: int, hidden: int,
         "layer-norm mean and 1/std (fp32)": 2 * 2 * s * b * 4,
         "causal mask (s x s bools)": s * s,
     }
+    if attention == "sdpa":
+        for name in ("softmax output", "attention dropout mask + output",
+                     "causal mask (s x s bools)"):
+            del terms[name]
+        terms[LOGSUMEXP] = a * s * b * 4
+    return terms
 
 
-PAPER_OMITS = ("layer-norm mean and 1/std (fp32)", "causal mask (s x s bools)")
+LOGSUMEXP = "attention log-sum-exp (fp32, fused kernel)"
+
+
+PAPER_OMITS = ("layer-norm mean and 1/std (fp32)", "causal mask (s x s bools)",
+               LOGSUMEXP)
 """Terms of :func:`gpt_layer_activation_terms` that Korthikanti et al. neglect."""
 
 

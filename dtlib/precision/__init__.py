@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 from dtlib.precision.formats import (FORMAT_BITS, CUDA_LOW_PRECISION_OPS, CUDA_FP32_OPS,
+                                     CUDA_PROMOTE_OPS, CPU_PROMOTE_OPS,
+                                     widest_input_demo, fp32_matmul_precision,
                                      torch_dtype, FormatInfo, format_info,
                                      subnormal_from_bits, format_table, round_trip,
                                      autocast_op_table, op_output_dtypes,
@@ -19,7 +21,9 @@ from dtlib.precision.mixed_precision import (LOW_DTYPES, MODES, ManualMixedPreci
                                              ManualPrecision, parallelism,
                                              state_bytes_per_param, flushed_fraction)
 
-__all__ = ["FORMAT_BITS", "CUDA_LOW_PRECISION_OPS", "CUDA_FP32_OPS", "torch_dtype",
+__all__ = ["FORMAT_BITS", "CUDA_LOW_PRECISION_OPS", "CUDA_FP32_OPS", "CUDA_PROMOTE_OPS",
+           "CPU_PROMOTE_OPS", "widest_input_demo", "fp32_matmul_precision",
+           "torch_dtype",
            "FormatInfo", "format_info", "subnormal_from_bits", "format_table",
            "round_trip", "autocast_op_table", "op_output_dtypes",
            "deprecated_amp_warnings", "DynamicLossScaler", "simulate_scale",

@@ -42,6 +42,12 @@ _SAME_WIDTH_INT = {32: torch.int32, 16: torch.int16, 8: torch.uint8}
 CUDA_LOW_PRECISION_OPS = ("addmm", "baddbmm", "bmm", "linear", "matmul", "mm")
 CUDA_FP32_OPS = ("cross_entropy", "exp", "layer_norm", "log", "log_softmax",
                  "nll_loss", "pow", "softmax", "sum")
+#: The third list: ops that autocast runs in the widest dtype of their inputs (the
+#: whole list of the same page's "CUDA Ops that promote to the widest input type",
+#: and its CPU counterpart). Without autocast, several of them refuse mixed dtypes.
+CUDA_PROMOTE_OPS = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot",
+                    "grid_sampler", "index_put", "scatter_add", "tensordot")
+CPU_PROMOTE_OPS = ("cat", "index_copy", "stack")
 
 
 def torch_dtype(name: str) -> torch.dtype | None:
@@ -248,3 +254,73 @@ def deprecated_amp_warnings() -> list[str]:
         messages += [f"torch.cuda.amp.{name}: {w.message}" for w in caught
                      if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     return messages
+
+
+def widest_input_demo(device: torch.device | str,
+                      dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """Run one op of the device's promote list on an fp32 and a 16-bit input, with
+    and without autocast: ``index_copy`` on CPU, ``dot`` elsewhere.
+
+    Args:
+        device: where to run (``world().device``).
+        dtype: the low-precision dtype of the second input and of autocast.
+    Returns:
+        ``{"op", "without autocast", "with autocast"}``: the output dtype, or the
+        error's first line when the op refuses mixed dtypes.
+
+    Taught in: Chapter 7, "What autocast actually does".
+    """
+    device = torch.device(device)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype={dtype} must be torch.bfloat16 or torch.float16")
+    wide = torch.ones(4, device=device)
+    narrow = torch.ones(4, device=device, dtype=dtype)
+    if device.type == "cpu":
+        name = "index_copy"
+        index = torch.tensor([0], device=device)
+
+        def op():
+            return wide.index_copy(0, index, narrow[:1])
+    else:
+        name = "dot"
+
+        def op():
+            return torch.dot(wide, narrow)
+    out = {"op": name}
+    for label, enabled in (("without autocast", False), ("with autocast", True)):
+        try:
+            with torch.amp.autocast(device.type, dtype=dtype, enabled=enabled):
+                out[label] = _short(op().dtype)
+        except RuntimeError as err:
+            out[label] = "error: " + str(err).splitlines()[0][:70]
+    return out
+
+
+def fp32_matmul_precision(mode: str | None = None) -> str:
+    """Read (and with ``mode``, set) whether fp32 CUDA matmuls may use TF32.
+
+    torch 2.9 added ``torch.backends.cuda.matmul.fp32_precision`` ("ieee": full
+    fp32, "tf32": tensor cores, "none": follow the generic setting) and warns about
+    the old ``allow_tf32`` flag, which it keeps only for compatibility; mixing the two
+    raises. Older torch has only the flag, used here as the fallback.
+
+    Args:
+        mode: None (only read), "ieee" or "tf32".
+    Returns:
+        The setting before any change: "ieee", "tf32" or "none".
+
+    Taught in: Chapter 7, "Is 16-bit faster here?".
+    """
+    if mode not in (None, "ieee", "tf32"):
+        raise ValueError(f"mode={mode!r} must be None, 'ieee' or 'tf32'")
+    matmul = torch.backends.cuda.matmul
+    try:
+        before = matmul.fp32_precision
+    except AttributeError:  # torch < 2.9: only the old flag exists
+        before = "tf32" if matmul.allow_tf32 else "ieee"
+        if mode is not None:
+            matmul.allow_tf32 = mode == "tf32"
+        return before
+    if mode is not None:
+        matmul.fp32_precision = mode
+    return before

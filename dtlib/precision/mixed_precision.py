@@ -165,8 +165,10 @@ def flushed_fraction(dtype: torch.dtype, loss_scale: float = 1.0, *,
     Runs one backward in fp32 (the reference) and one in ``dtype`` (the model copy of
     :class:`ManualMixedPrecision`) with the loss multiplied by ``loss_scale`` and the
     gradients divided by it again in fp32. ``loss_weight`` multiplies the loss of both
-    runs: a loss averaged over 4096 times more tokens (a real LLM batch) has gradients
-    about 4096 times smaller than this toy batch's, and ``2**-12`` stands in for that.
+    runs, and so every gradient of backward: it shrinks the per-token activation
+    gradients as a mean over 1/loss_weight times more tokens would (a weight
+    gradient, an average over the tokens, would not shrink that way; measure it
+    with :func:`gradient_underflow`).
 
     Returns:
         ``{"flushed": fraction of entries nonzero in fp32 but zero in dtype,
@@ -197,3 +199,80 @@ def flushed_fraction(dtype: torch.dtype, loss_scale: float = 1.0, *,
     return {"flushed": ((low == 0) & nonzero).sum().item() / nonzero.sum().item(),
             "nonzero_ref": int(nonzero.sum().item()),
             "min_abs_ref": ref[nonzero].abs().min().item()}
+
+
+def _record_block_grads(model: GPT) -> tuple[list[torch.Tensor], list[Any]]:
+    """Hooks that keep the gradient reaching each block's output (an activation
+    gradient, one value per token and feature) during backward."""
+    grads: list[torch.Tensor] = []
+
+    def on_forward(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: grads.append(g.detach().float()))
+
+    return grads, [b.register_forward_hook(on_forward) for b in model.blocks]
+
+
+def gradient_underflow(dtype: torch.dtype, batches: tuple[int, ...] = (4, 64, 1024),
+                       loss_scale: float = 1.0, *, cfg: GPTConfig | None = None,
+                       device: torch.device | str = "cpu",
+                       seed: int = 0) -> list[dict[str, Any]]:
+    """Where a 16-bit backward loses gradients: activations or weights, by batch.
+
+    For each micro-batch size, one backward of the mean loss over its
+    ``batch x seq_len`` tokens in fp32 (the reference) and one in ``dtype`` (the
+    16-bit copy of :class:`ManualMixedPrecision`, the loss multiplied by
+    ``loss_scale``, the gradients divided by it again in fp32). Hooks on every
+    block's output record the activation gradients of both runs. The mean gives each
+    token's loss the weight 1/T, so a per-token activation gradient shrinks as 1/T;
+    a weight gradient sums T such contributions and stays an average.
+
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        batches: micro-batch sizes (sequences) to run.
+        loss_scale: S, the loss scale of the 16-bit run.
+        cfg: the GPT's shape (default: 2 layers, hidden 32, 16 tokens a sequence).
+        device: where to run.
+        seed: weights and batch seed (the same weights at every batch size).
+    Returns:
+        One dict per batch: tokens, act_median and weight_median (median nonzero
+        |gradient| in fp32), act_flushed and weight_flushed (fraction of the
+        reference's nonzero entries that are exactly 0 in the 16-bit run), and
+        act_grads (the reference's activation gradients, flattened, fp32).
+
+    Taught in: Chapter 7, "Loss scaling".
+    """
+    if dtype not in LOW_DTYPES:
+        raise ValueError(f"dtype={dtype} must be one of {LOW_DTYPES}")
+    if not loss_scale > 0:
+        raise ValueError(f"loss_scale={loss_scale!r} must be > 0")
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                          for b in batches):
+        raise ValueError(f"batches={batches!r} must be positive integers")
+    device = torch.device(device)
+    cfg = cfg or GPTConfig(n_layers=2, hidden=32, seq_len=16, vocab_size=64)
+    rows = []
+    for batch in batches:
+        model = build_gpt(cfg, seed).to(device)
+        idx, tgt = token_batch(cfg, batch, seed=seed + 1, device=device)
+        ref_acts, handles = _record_block_grads(model)
+        model(idx, tgt)[1].backward()
+        for h in handles:
+            h.remove()
+        ref_w = torch.cat([p.grad.flatten() for p in model.parameters()])
+        scaler = DynamicLossScaler(init_scale=loss_scale) if loss_scale != 1.0 else None
+        mp = ManualMixedPrecision(model, None, dtype, scaler)
+        low_acts, handles = _record_block_grads(mp.low)
+        mp.backward(idx, tgt)
+        for h in handles:
+            h.remove()
+        low_w = torch.cat([p.grad.flatten() for p in model.parameters()]) / loss_scale
+        ref_a = torch.cat([g.flatten() for g in ref_acts])
+        low_a = torch.cat([g.flatten() for g in low_acts]) / loss_scale
+        row: dict[str, Any] = {"tokens": batch * cfg.seq_len, "act_grads": ref_a}
+        for name, ref, low in (("act", ref_a, low_a), ("weight", ref_w, low_w)):
+            nonzero = ref != 0
+            row[f"{name}_median"] = ref[nonzero].abs().median().item()
+            row[f"{name}_flushed"] = (((low == 0) & nonzero).sum()
+                                      / nonzero.sum()).item()
+        rows.append(row)
+    return rows

@@ -32,15 +32,17 @@ PRESETS: dict[str, dict] = {
     "GPT-3 175B": dict(n_layers=96, hidden=12288, n_heads=96, **_GPT3),
     # Open models: published parameter counts; their activations are estimated with
     # the GPT formula (4h MLP, one K/V per head): an approximation for SwiGLU / GQA.
+    # Modelled with a fused attention kernel (FlashAttention or PyTorch's
+    # scaled_dot_product_attention, as torchtitan's Llama runs): no s x s matrix kept.
     "Llama-2 7B (approx.)": dict(n_layers=32, hidden=4096, n_heads=32,
                                  vocab_size=32000, seq_len=4096,
-                                 n_params=6_738_415_616),
+                                 n_params=6_738_415_616, attention="sdpa"),
     "Llama-2 13B (approx.)": dict(n_layers=40, hidden=5120, n_heads=40,
                                   vocab_size=32000, seq_len=4096,
-                                  n_params=13_015_864_320),
+                                  n_params=13_015_864_320, attention="sdpa"),
     "Llama-2 70B (approx.)": dict(n_layers=80, hidden=8192, n_heads=64,
                                   vocab_size=32000, seq_len=4096,
-                                  n_params=68_976_648_192),
+                                  n_params=68_976_648_192, attention="sdpa"),
 }
 _PARTS = (("params", "#4C72B0"), ("grads", "#55A868"), ("optimizer", "#C44E52"),
           ("activations", "#8172B2"))
