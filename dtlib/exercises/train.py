@@ -49,7 +49,7 @@ def _fsdp_on_rank(wrap: Callable[[Any], Any]) -> dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
     from dtlib.models.gpt import build_gpt, token_batch
-    from dtlib.models.run import full_tensor
+    from dtlib.models.run import full_tensor, is_dtensor
     from dtlib.models.sizes import size
 
     cfg = size("tiny")
@@ -65,12 +65,16 @@ def _fsdp_on_rank(wrap: Callable[[Any], Any]) -> dict[str, Any]:
         wrapped = model
     idx, targets = token_batch(cfg, world_size * _FSDP_MICRO, seed=0)
     rows = slice(rank * _FSDP_MICRO, (rank + 1) * _FSDP_MICRO)
-    wrapped(idx[rows], targets[rows])[1].backward()
+    loss = wrapped(idx[rows], targets[rows])[1]
+    # Between forward and backward a resharded unit's parameters are its shards
+    # (DTensors) again; a unit that keeps them gathered holds plain full tensors.
+    resharded = [all(is_dtensor(p) for p in b.parameters()) for b in model.blocks]
+    loss.backward()
     grads = {n: full_tensor(p.grad) for n, p in model.named_parameters()
              if p.grad is not None}
     return {"root": isinstance(model, FSDPModule),
             "blocks": [isinstance(b, FSDPModule) for b in model.blocks],
-            "grads": grads}
+            "resharded": resharded, "grads": grads}
 
 
 def _grad_tol(want: Any) -> float:
@@ -117,6 +121,14 @@ def check_fsdp2_wrapping(wrap: Callable[[Any], Any], world_size: int = 2) -> Non
             "the root's unit, which is gathered whole, so the peak memory holds the "
             "whole model.", "fully_shard each block first (innermost units first), "
             "then the root")
+    kept = [i for i, r in enumerate(res["resharded"]) if not r]
+    if kept:
+        raise WrongAnswer(
+            f"blocks {kept} keep their gathered parameters after forward "
+            "(reshard_after_forward=False): every block's full parameters then stay in "
+            "memory until its backward, and the peak is the whole model again.",
+            "leave reshard_after_forward at its default, True, for the blocks: each "
+            "is gathered again in backward (Chapter 4, 'FSDP2')")
     truth = reference_gpt_run(size("tiny"), world_size * _FSDP_MICRO, 1)["grads"]
     for name, want in truth.items():
         got = res["grads"].get(name)

@@ -45,7 +45,7 @@ import torch.nn as nn
 from dtlib.runtime import dist as ddist
 
 __all__ = ["Parallelism", "RunResult", "run_steps", "default_step", "gpt_loss",
-           "tensors_by_name", "unwrap", "local_tensor", "full_tensor"]
+           "tensors_by_name", "unwrap", "local_tensor", "full_tensor", "is_dtensor"]
 
 Batch = Sequence[Any]  # (idx, targets), or any argument tuple of loss_fn
 LossFn = Callable[..., torch.Tensor]
@@ -64,6 +64,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     code over "this rank's storage" reads the same for both.
     """
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a sharded or replicated view over a device mesh)."""
+    return hasattr(t, "to_local")
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
