@@ -221,7 +221,7 @@ def test_check_resume_keys_accepts_all_rejects_partial():
 
 def test_check_atomic_save():
     ex.check_atomic_save(atomic_save)
-    with pytest.raises(WrongAnswer, match="destroyed"):
+    with pytest.raises(WrongAnswer, match="not put in place by a rename"):
         ex.check_atomic_save(lambda obj, path: torch.save(obj, path))
 
     def no_fsync(obj, path):

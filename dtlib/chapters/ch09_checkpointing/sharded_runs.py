@@ -54,6 +54,8 @@ def fsdp_train(par: Any, model: torch.nn.Module, opt: Any, first_step: int,
         par, model, opt: :func:`fsdp_model`'s job.
         first_step: index of the first step (0 for a fresh run).
         steps: optimizer steps to take.
+    Returns:
+        None: ``model`` and ``opt`` have taken the steps.
 
     Taught in: Chapter 9, "Sharded state".
     """
