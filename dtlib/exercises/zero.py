@@ -193,7 +193,17 @@ def check_zero2_hook(hook: Callable[[torch.nn.Parameter], None],
     names = ("0.weight", "0.bias", "2.weight", "2.bias")
     for n in world_sizes:
         truth = _zero2_truth(n)
-        ranks = run_on_ranks(_zero2_on_rank, hook, n, what="your ZeRO-2 hook")
+        try:
+            ranks = run_on_ranks(_zero2_on_rank, hook, n, what="your ZeRO-2 hook")
+        except WrongAnswer as exc:
+            if "is deprecated" not in str(exc):
+                raise
+            raise WrongAnswer(
+                f"on {n} ranks your ZeRO-2 hook calls a collective under a name this "
+                f"torch ({torch.__version__}) deprecates.", "use "
+                "dist.reduce_scatter_single (Chapter 2), falling back to the older "
+                "name only where torch lacks it: getattr(dist, "
+                "'reduce_scatter_single', None) or dist.reduce_scatter_tensor") from None
         for r, res in enumerate(ranks):
             where = f"world_size={n}, rank {r}"
             other = sorted({c for c in res["comms"] if c != "reduce_scatter"})
