@@ -76,7 +76,10 @@ def _rows(batch: Batch, index: int, parts: int) -> Batch:
 
 def _mean_over(loss: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     """The mean of every replica's loss (the ranks of ``group`` hold one each)."""
-    mean = full_tensor(loss).detach().float().clone()
+    # at least float32 (a 16-bit loss is averaged in float32), never narrower than
+    # the loss itself: a float64 run stays float64
+    loss = full_tensor(loss).detach()
+    mean = loss.to(torch.promote_types(loss.dtype, torch.float32)).clone()
     if size > 1:
         dist.all_reduce(mean, group=group)
     return mean / size
