@@ -268,7 +268,7 @@ def _verdict(res: dict[str, Any]) -> WrongAnswer | None:
 
 
 def judge_sharded_resume(answers: list[tuple[Callable[..., Any], Callable[..., Any]]],
-                         total_steps: int = 3, stop_at: int = 2
+                         total_steps: int = 2, stop_at: int = 1
                          ) -> list[WrongAnswer | None]:
     """Run several ``(save, load)`` answers in one 2-rank launch (see
     :func:`check_sharded_resume`) and judge each.
@@ -307,8 +307,8 @@ def judge_sharded_resume(answers: list[tuple[Callable[..., Any], Callable[..., A
 
 @checker
 def check_sharded_resume(save: Callable[[Any, Any, str], Any],
-                         load: Callable[[Any, Any, str], Any], total_steps: int = 3,
-                         stop_at: int = 2) -> None:
+                         load: Callable[[Any, Any, str], Any], total_steps: int = 2,
+                         stop_at: int = 1) -> None:
     """Check ``save(model, optimizer, directory)`` and ``load(model, optimizer,
     directory)`` on 2 real ranks of an FSDP2 job (every parameter and AdamW moment a
     DTensor shard).
