@@ -1,10 +1,13 @@
 """Chapters 11 and 12's checkers: each rejects the kinds of wrong answer it must and
 accepts the valid alternatives. The build-on-ranks checkers are tried on many answers
-in one launch each: the rank-side half each checker launches, then the judging half it
-applies (the notebooks run each checker end to end on the book's solution)."""
+in one launch each (the rank-side half each checker launches, then the judging half it
+applies), and end to end on one wrong and one right answer."""
 
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +18,11 @@ from dtlib.exercises import multi_dim as md
 from dtlib.planner.published import TABLE4_LLAMA3
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
+
+# The answers below travel to the ranks by value, as a notebook's do: the ranks then
+# import only what the answers use (torch, the checkers), not this module and pytest,
+# which costs each of 4 ranks a second on a loaded machine.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # ---- chapter 11: bytes per dimension ------------------------------------------------
 
@@ -144,8 +152,8 @@ def _run_answers(on_rank, answers):
 def _launch(on_rank, answers, world_size):
     """One launch for many answers: each rank runs the checker's rank-side half on
     each answer in turn (the same collectives in the same order on every rank)."""
-    ranks = launch.spawn(_run_answers, world_size, on_rank, answers, stream=False,
-                         timeout=120)
+    ranks = launch.spawn(lambda: _run_answers(on_rank, answers), world_size,
+                         stream=False, timeout=120)
     return {k: [r[k] for r in ranks] for k in answers}
 
 
@@ -163,6 +171,13 @@ def test_grid_groups_accepts(group_runs, name) -> None:
 def test_grid_groups_rejects(group_runs, name) -> None:
     with pytest.raises(WrongAnswer):
         md.judge_grid_groups(group_runs[name])
+
+
+def test_grid_groups_checker_end_to_end(capsys) -> None:
+    with pytest.raises(WrongAnswer, match="tp group holds ranks"):
+        md.check_grid_groups(groups_swapped)
+    md.check_grid_groups(groups_by_hand)
+    assert "Correct" in capsys.readouterr().out
 
 
 # ---- chapter 12: one attention step over a split sequence, on 2 ranks ---------------
@@ -247,3 +262,10 @@ def test_ring_step_accepts(attend_runs, name) -> None:
 def test_ring_step_rejects(attend_runs, name, message) -> None:
     with pytest.raises(WrongAnswer, match=message):
         ls.judge_ring_step(attend_runs[name])
+
+
+def test_ring_step_checker_end_to_end(capsys) -> None:
+    with pytest.raises(WrongAnswer, match="differs from full attention"):
+        ls.check_ring_step(attend_local)
+    ls.check_ring_step(attend_allgather)
+    assert "Correct" in capsys.readouterr().out
