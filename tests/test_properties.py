@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dtlib.collectives.algorithms import chunk_bounds
 from dtlib.exercises.strip import BEGIN, END, strip_source
-from dtlib.memory.formulas import model_state_bytes
+from dtlib.memory.formulas import activation_bytes, model_state_bytes
 
 
 @given(numel=st.integers(0, 10_000), world_size=st.integers(1, 64))
@@ -33,6 +33,24 @@ def test_each_zero_stage_holds_no_more_than_the_previous(n_params: int, dp: int,
     # ZeRO-3 partitions everything: a padded shard at 16 bytes per parameter in both
     # precisions (2 + 2 + 12 mixed, 4 + 4 + 8 fp32).
     assert totals[3] == 16 * math.ceil(n_params / dp)
+
+
+@given(s=st.integers(1, 8192), b=st.integers(1, 64), head_dim=st.integers(1, 256),
+       a=st.sampled_from([1, 2, 4, 8, 16, 32, 64]), tp=st.sampled_from([1, 2, 4, 8]),
+       sp=st.booleans())
+def test_sdpa_keeps_what_selective_recompute_keeps(s: int, b: int, head_dim: int,
+                                                   a: int, tp: int, sp: bool) -> None:
+    if a % tp:
+        tp = 1
+    kw = dict(tp=tp, sequence_parallel=sp)
+    args = (s, b, a * head_dim, a, 1)
+    sdpa = activation_bytes(*args, attention="sdpa", **kw)
+    # A fused kernel stores exactly what selective recomputation keeps, never more
+    # than an explicit attention, and full recomputation stores the same either way.
+    assert sdpa == activation_bytes(*args, recompute="selective", **kw)
+    assert sdpa <= activation_bytes(*args, **kw)
+    assert activation_bytes(*args, attention="sdpa", recompute="full", **kw) == \
+        activation_bytes(*args, recompute="full", **kw)
 
 
 code_lines = st.lists(st.text(st.characters(blacklist_categories=("Cs",),
