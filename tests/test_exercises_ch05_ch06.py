@@ -3,9 +3,9 @@ the valid alternatives.
 
 Chapter 6's GPipe step is checked on two real ranks for its numbers *and* its order: a
 step that computes the right gradients one micro-batch at a time, or holds its messages
-back, is not a pipeline and must be rejected; isend/irecv, a prefetched receive and
-newest-first backwards are GPipe too and must pass. Each answer is one launch of two
-ranks (the checker runs both of its shapes in it).
+back, is not a pipeline and must be rejected; isend/irecv, a prefetched receive,
+batch_isend_irecv and newest-first backwards are GPipe too and must pass. All of these
+answers are judged in one launch of two ranks (each on both of the checker's shapes).
 """
 
 from __future__ import annotations
@@ -102,6 +102,35 @@ def _gpipe_alternatives(stage, micro_batches, targets, act_shape):
     return sum(loss.item() for loss in losses)
 
 
+def _gpipe_batched(stage, micro_batches, targets, act_shape):
+    """GPipe whose every message goes through batch_isend_irecv (one op per batch)."""
+    def exchange(op, tensor, peer):
+        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)]):
+            work.wait()
+
+    if dist.get_rank() == 0:
+        outs = []
+        for x in micro_batches:
+            y = stage(x)
+            exchange(dist.isend, y.detach(), 1)
+            outs.append(y)
+        for y in outs:
+            grad = torch.empty_like(y)
+            exchange(dist.irecv, grad, 1)
+            y.backward(grad)
+        return None
+    inputs, losses = [], []
+    for t in targets:
+        a = torch.empty(act_shape)
+        exchange(dist.irecv, a, 0)
+        inputs.append(a.requires_grad_())
+        losses.append(F.mse_loss(stage(a), t) / len(targets))
+    for a, loss in zip(inputs, losses):
+        loss.backward()
+        exchange(dist.isend, a.grad, 0)
+    return sum(loss.detach() for loss in losses).item()
+
+
 def _one_at_a_time(stage, micro_batches, targets, act_shape):
     """Right numbers, no pipeline: each micro-batch's forward and backward, then the
     next one's."""
@@ -185,6 +214,8 @@ def _rank1_receives_all_first(stage, micro_batches, targets, act_shape):
     return sum(loss.item() for loss in losses)
 
 
+# valid alternatives to the page's solution (which tests/test_exercises.py runs)
+VALID = [_gpipe_alternatives, _gpipe_batched]
 # each wrong kind, and the message that names it; all judged in one launch
 NOT_PIPELINED = [
     (_one_at_a_time, "A backward runs before the last forward"),
@@ -197,15 +228,15 @@ NOT_PIPELINED = [
 @pytest.fixture(scope="module")
 def verdicts() -> list:
     """One launch of two ranks judges the valid alternative and every wrong kind."""
-    return ex.pipeline_step_verdicts([_gpipe_alternatives]
-                                     + [step for step, _ in NOT_PIPELINED])
+    return ex.pipeline_step_verdicts(VALID + [step for step, _ in NOT_PIPELINED])
 
 
-def test_pipeline_step_accepts_isend_prefetch_and_newest_first(verdicts) -> None:
-    assert verdicts[0] is None, str(verdicts[0])
+def test_pipeline_step_accepts_the_valid_alternatives(verdicts) -> None:
+    for step, verdict in zip(VALID, verdicts):
+        assert verdict is None, (step.__name__, str(verdict))
 
 
 def test_pipeline_step_rejects_each_step_that_is_not_pipelined(verdicts) -> None:
-    for (step, message), verdict in zip(NOT_PIPELINED, verdicts[1:]):
+    for (step, message), verdict in zip(NOT_PIPELINED, verdicts[len(VALID):]):
         assert verdict is not None, f"{step.__name__} passed"
         assert re.search(message, str(verdict), re.S), (step.__name__, str(verdict))
