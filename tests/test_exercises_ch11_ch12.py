@@ -269,3 +269,28 @@ def test_ring_step_checker_end_to_end(capsys) -> None:
         ls.check_ring_step(attend_local)
     ls.check_ring_step(attend_allgather)
     assert "Correct" in capsys.readouterr().out
+
+
+# ---- chapter 12: bytes of ring and Ulysses ------------------------------------------
+
+
+def _volume(b, s, h, cp, hops=None, keep=True):
+    local = b * (s // cp) * h
+    ring = 2 * local * (cp - 1 if hops is None else hops)
+    ulysses = 4 * local * (cp - 1) // cp if keep else 4 * local
+    return {"ring": 4 * ring, "ulysses": 4 * ulysses}
+
+
+def test_cp_volume_accepts_the_formula(capsys) -> None:
+    ls.check_cp_volume(_volume)
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda b, s, h, cp: _volume(b, s, h, cp, hops=cp),  # one hop too many
+    lambda b, s, h, cp: _volume(b, s, h, cp, keep=False),  # sends what it keeps
+    lambda b, s, h, cp: {k: v // 4 for k, v in _volume(b, s, h, cp).items()},
+], ids=["cp-hops", "ulysses-keeps-nothing", "elements-not-bytes"])
+def test_cp_volume_rejects(wrong) -> None:
+    with pytest.raises(WrongAnswer):
+        ls.check_cp_volume(wrong)
