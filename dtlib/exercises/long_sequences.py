@@ -21,6 +21,14 @@ def check_cp_volume(predict: Callable[[int, int, int, int], dict[str, Any]],
     in the *forward* pass of one attention layer (fp32, as many K/V heads as query
     heads), ring attention vs DeepSpeed-Ulysses. The truth is
     :func:`dtlib.context_parallel.cp_volume`, checked against real ranks in the tests.
+
+    Args:
+        predict: the learner's function.
+        cases: ``(b, s, h, cp)`` to try, the page's shapes and others.
+    Returns:
+        None (prints "Correct" or raises :class:`WrongAnswer`).
+
+    Taught in: Chapter 12, "Ring or all-to-all?".
     """
     for b, s, h, cp in cases:
         got = predict(b, s, h, cp)
