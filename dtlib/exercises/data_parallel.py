@@ -171,8 +171,6 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
     model.register_comm_hook(None, counting_hook)
     idx, targets = token_batch(TINY, world_size * MICRO_BATCH, seed=0)
     rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
-    local = build_gpt(TINY)
-    local(idx[rows], targets[rows])[1].backward()
     dist.all_reduce = watched_all_reduce
     try:
         model(idx[rows], targets[rows])[1].backward()  # DDP rebuilds its buckets
@@ -182,15 +180,25 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
         model(idx[rows], targets[rows])[1].backward()
     finally:
         dist.all_reduce = real_all_reduce
-    return {"grads": grads_of(model.module), "local": grads_of(local),
+    return {"grads": grads_of(model.module),
             "calls": notes["calls"], "buckets": len(buckets),
             "blocking": notes["blocking"], "waits": notes["waits"],
             "stalled": notes["stalled"], "error": notes["error"]}
 
 
 def _run_hooks(hooks: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """On each rank: every hook in turn, each in a DDP of its own."""
-    return [_ddp_with_hook(source, name) for source, name in hooks]
+    """On each rank: every hook in turn, each in a DDP of its own, beside this rank's
+    own gradient without DDP (what a hook that does not reduce would leave)."""
+    from dtlib.chapters.ch03_data_parallel.runs import TINY, grads_of
+    from dtlib.models.gpt import build_gpt, token_batch
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    idx, targets = token_batch(TINY, world_size * MICRO_BATCH, seed=0)
+    rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+    local = build_gpt(TINY)
+    local(idx[rows], targets[rows])[1].backward()
+    own = grads_of(local)  # one object: sent once, however many hooks
+    return [{**_ddp_with_hook(source, name), "local": own} for source, name in hooks]
 
 
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
