@@ -24,7 +24,7 @@ CATEGORIES = (FutureWarning, DeprecationWarning)
 # Frames that only pass a warning on: torch's wrappers, the deprecation decorators,
 # functools, contextlib, and this module.
 _PASS_THROUGH = ("torch", "typing_extensions", "functools", "contextlib", "warnings",
-                 "importlib", __name__)
+                 __name__)
 _original_warn = warnings.warn
 
 
@@ -32,6 +32,9 @@ def _caller_module(frame: Any) -> str:
     """The module of the nearest frame from ``frame`` outward that is not a wrapper."""
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
+        if name.startswith("importlib") or frame.f_code.co_filename.startswith(
+                "<frozen importlib"):
+            return ""  # raised while a module was imported: the imported module's own
         if not any(name == p or name.startswith(p + ".") for p in _PASS_THROUGH):
             return name
         frame = frame.f_back
