@@ -1,8 +1,7 @@
 """Chapters 1 and 7: the build-on-ranks exercises reject each kind of wrong answer and
 accept the valid alternatives.
 
-Each group of answers runs in one launch of 2 gloo ranks (every answer on the same
-ranks, in turn); the checker's own verdict (``judge_*``) then reads each answer's
+Every answer runs in one launch of 2 gloo ranks (each on the same ranks, in turn); the checker's own verdict (``judge_*``) then reads each answer's
 results, as ``check_*`` does after its own launch.
 """
 
@@ -82,16 +81,9 @@ SAVED_ANSWERS = {"right": right_count, "gathered": gathered_count,
                  "elements": element_count}
 
 
-def _each_saved_answer(answers):
-    return [mem.saved_on_rank(a) for a in answers]
-
-
 @pytest.fixture(scope="module")
-def saved_results():
-    names = list(SAVED_ANSWERS)
-    ranks = launch.spawn(_each_saved_answer, 2, [SAVED_ANSWERS[n] for n in names],
-                         timeout=120, stream=False)
-    return {n: [ranks[0][i], ranks[1][i]] for i, n in enumerate(names)}
+def saved_results(launched):
+    return launched["saved"]
 
 
 @pytest.mark.parametrize("name", ["right", "gathered"])
@@ -178,16 +170,26 @@ SCALER_ANSWERS = {"right": right_scaler, "summed": summed_flag_scaler,
                   "not_unscaled": not_unscaling}
 
 
-def _each_scaler_answer(answers):
-    return [prec.scaler_on_rank(a) for a in answers]
+def _every_answer(saved, scaler):
+    return ([mem.saved_on_rank(a) for a in saved],
+            [prec.scaler_on_rank(a) for a in scaler])
 
 
 @pytest.fixture(scope="module")
-def scaler_results():
-    names = list(SCALER_ANSWERS)
-    ranks = launch.spawn(_each_scaler_answer, 2, [SCALER_ANSWERS[n] for n in names],
-                         timeout=120, stream=False)
-    return {n: [ranks[0][i], ranks[1][i]] for i, n in enumerate(names)}
+def launched():
+    """Both chapters' answers, in one launch of 2 ranks."""
+    saved, scaler = list(SAVED_ANSWERS), list(SCALER_ANSWERS)
+    ranks = launch.spawn(_every_answer, 2, [SAVED_ANSWERS[n] for n in saved],
+                         [SCALER_ANSWERS[n] for n in scaler], timeout=120,
+                         stream=False)
+    return {"saved": {n: [ranks[0][0][i], ranks[1][0][i]] for i, n in enumerate(saved)},
+            "scaler": {n: [ranks[0][1][i], ranks[1][1][i]]
+                       for i, n in enumerate(scaler)}}
+
+
+@pytest.fixture(scope="module")
+def scaler_results(launched):
+    return launched["scaler"]
 
 
 # The old solution, one host sync per tensor, is still accepted: it is
