@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                     get_state_dict,
                                                      set_model_state_dict,
                                                      set_state_dict)
 
