@@ -65,6 +65,12 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
                 raise WrongAnswer(
                     f"{where}: expected a tensor of shape {tuple(want.shape)} "
                     f"(the shard: padded size / world_size), got {shape}")
+            # A right answer differs from ``want`` only by float32 rounding in another
+            # order (sum then divide vs mean, the moments' updates): a few ulps of the
+            # O(1) parameters (u = 6e-8, so ~1e-7), plus lr (1e-2) times a few ulps of
+            # m / sqrt(v) (v >= 0.001 * g**2 here, far above eps). atol 1e-6 and rtol
+            # 1e-5 leave ten times that; every wrong answer below moves the shard by
+            # ~lr = 1e-2.
             if torch.allclose(got, want, atol=1e-6, rtol=1e-5):
                 continue
             hints = [
@@ -203,7 +209,8 @@ def check_zero2_hook(hook: Callable[[torch.nn.Parameter], None],
                 f"torch ({torch.__version__}) deprecates.", "use "
                 "dist.reduce_scatter_single (Chapter 2), falling back to the older "
                 "name only where torch lacks it: getattr(dist, "
-                "'reduce_scatter_single', None) or dist.reduce_scatter_tensor") from None
+                "'reduce_scatter_single', None) or dist.reduce_scatter_tensor"
+            ) from None
         for r, res in enumerate(ranks):
             where = f"world_size={n}, rank {r}"
             other = sorted({c for c in res["comms"] if c != "reduce_scatter"})
