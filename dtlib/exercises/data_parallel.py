@@ -297,9 +297,12 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
         if not todo:
             break
         try:
+            # 60 s as for one hook, plus per further hook one DDP build and two
+            # backward passes of the tiny GPT (a second or two on a loaded laptop)
+            # and at most one stall
             per_rank = launch.spawn(_run_hooks, world_size,
                                     [sources[i] for i in todo], stream=False,
-                                    timeout=60 + STALL_S * len(todo))
+                                    timeout=60 + (10 + STALL_S) * (len(todo) - 1))
         except launch.LaunchError as exc:
             wrong = WrongAnswer(f"on {world_size} ranks your hook failed on a "
                                 f"rank:\n{exc}", "return a torch.futures.Future "
