@@ -103,7 +103,7 @@ def plot_memory(cfg: TrainingConfig, device_gb: float = 80.0, ax=None,
     ax.set_ylabel("memory per device (GB)")
     ax.set_xlabel(f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, micro_batch="
                   f"{cfg.micro_batch}, s={cfg.seq_len}, recompute={cfg.recompute}, "
-                  f"{cfg.precision}")
+                  f"{cfg.attention} attention, {cfg.precision}")
     ax.set_ylim(0, max(max(bottom), device_gb) * 1.15)
     ax.legend(loc="upper right", fontsize=9)
     if title is None:
