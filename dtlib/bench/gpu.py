@@ -214,19 +214,21 @@ def check_matmul(n: int, timeout: float) -> tuple[bool, str]:
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
     peaks = peak_tflops(name)
-    saved = torch.backends.cuda.matmul.allow_tf32
+    from dtlib.precision.formats import fp32_matmul_precision
+
+    saved = fp32_matmul_precision()
     parts = []
     try:
         for k, (label, dtype) in enumerate((("bf16", torch.bfloat16),
                                             ("fp16", torch.float16),
                                             ("tf32", torch.float32))):
-            torch.backends.cuda.matmul.allow_tf32 = label == "tf32"
+            fp32_matmul_precision("tf32" if label == "tf32" else "ieee")
             best = max((2 * s ** 3 / time_matmul(s, dtype, device, 3, 10, 3) / 1e12, s)
                        for s in (4096, 8192, 16384))
             share = f" = {best[0] / peaks[k]:.0%} of {peaks[k]:.0f}" if peaks else ""
             parts.append(f"{label} {best[0]:.0f} TFLOP/s at {best[1]}{share}")
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        fp32_matmul_precision(saved)
     return True, f"{name}: " + "; ".join(parts) + ("" if peaks else " (peak unknown)")
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dtlib.precision.formats import fp32_matmul_precision
 from dtlib.runtime.dist import world
 
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -91,14 +92,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for n in sizes:
         base = None
         for name in order:
-            saved = torch.backends.cuda.matmul.allow_tf32
+            saved = fp32_matmul_precision()
             if on_cuda:
-                torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+                fp32_matmul_precision("tf32" if name == "tf32" else "ieee")
             try:
                 t = time_matmul(n, DTYPES[name], device, warmup, iters, repeats)
-                tf32 = torch.backends.cuda.matmul.allow_tf32 if on_cuda else None
+                tf32 = fp32_matmul_precision() == "tf32" if on_cuda else None
             finally:
-                torch.backends.cuda.matmul.allow_tf32 = saved
+                fp32_matmul_precision(saved)
             tflops = 2 * n ** 3 / t / 1e12
             base = tflops if name == "fp32" else base
             if name in dtypes:

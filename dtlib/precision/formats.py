@@ -311,14 +311,15 @@ def fp32_matmul_precision(mode: str | None = None) -> str:
     raises. Older torch has only the flag, used here as the fallback.
 
     Args:
-        mode: None (only read), "ieee" or "tf32".
+        mode: None (only read), "ieee", "tf32" or "none" (restore a saved "none";
+            on torch < 2.9, the same as "ieee").
     Returns:
         The setting before any change: "ieee", "tf32" or "none".
 
     Taught in: Chapter 7, "Is 16-bit faster here?".
     """
-    if mode not in (None, "ieee", "tf32"):
-        raise ValueError(f"mode={mode!r} must be None, 'ieee' or 'tf32'")
+    if mode not in (None, "ieee", "tf32", "none"):
+        raise ValueError(f"mode={mode!r} must be None, 'ieee', 'tf32' or 'none'")
     matmul = torch.backends.cuda.matmul
     try:
         before = matmul.fp32_precision
