@@ -129,3 +129,38 @@ def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers)
     assert "next launch ok 0" in out
     gone, alive = psutil.wait_procs(workers, timeout=5)
     assert not alive, "an interrupted rank survived"
+
+
+ORPHANED = """
+    import os, time
+    from dtlib.runtime import launch
+
+    def hang(where):
+        with open(os.path.join(where, str(os.getpid())), "w"):
+            pass
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        launch.spawn(hang, 2, {where!r}, timeout=600, stream=False)
+"""
+
+
+def test_ranks_end_when_their_launcher_is_killed_outright(tmp_path) -> None:
+    """A kernel restarted or a ``kill -9``: the launcher cannot stop its ranks, so
+    each rank watches it and leaves (within about a second) once it is gone."""
+    where = tmp_path / "pids"
+    where.mkdir()
+    driver = _script(tmp_path, ORPHANED.format(where=str(where)), "orphan.py")
+    proc = subprocess.Popen([sys.executable, driver])
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(where)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = [psutil.Process(int(p)) for p in os.listdir(where)]
+        assert len(ranks) == 2, "the ranks never started"
+    finally:
+        proc.kill()  # SIGKILL: no finally, no atexit, no kill_tree in the launcher
+        proc.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], \
+        "a rank outlived its launcher"

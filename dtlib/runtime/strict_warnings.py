@@ -22,9 +22,10 @@ from typing import Any
 
 CATEGORIES = (FutureWarning, DeprecationWarning)
 # Frames that only pass a warning on: torch's wrappers, the deprecation decorators,
-# functools, contextlib, and this module.
+# functools, contextlib, this module, and Chapter 2's communication log, which wraps
+# every torch.distributed function and forwards each call as its caller made it.
 _PASS_THROUGH = ("torch", "typing_extensions", "functools", "contextlib", "warnings",
-                 __name__)
+                 __name__, "dtlib.collectives.accounting")
 _original_warn = warnings.warn
 
 

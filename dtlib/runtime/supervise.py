@@ -93,6 +93,9 @@ class Supervisor:
         self.stream = stream
         self.label = label
         self.log_dir = tempfile.mkdtemp(prefix="dtlib-launch-")
+        # Ranks end themselves when this process is gone (worker._exit_with_launcher).
+        with open(os.path.join(self.log_dir, worker.LAUNCHER_PID), "w") as f:
+            f.write(str(os.getpid()))
         self._offsets = [0] * nproc
         self._partial = [b""] * nproc
         self.outputs: dict[int, list[str]] = {r: [] for r in range(nproc)}

@@ -7,7 +7,8 @@
 - sends the rank's stdout and stderr to one file per rank, so the launcher can print
   whole lines with a ``[rank k]`` prefix instead of bytes from four processes
   interleaved;
-- writes its pid, so the launcher can find it among torchrun's children;
+- writes its pid, so the launcher can find it among torchrun's children, and ends
+  itself if the launcher disappears without stopping it (killed outright);
 - registers :mod:`faulthandler` on SIGUSR1: when a launch times out, the launcher sends
   the signal and every rank writes the Python stack it is stuck in. faulthandler was
   chosen over py-spy because it is in the standard library, works without ptrace
@@ -32,6 +33,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import IO
@@ -54,6 +56,38 @@ def prepare(log_dir: str, rank: int) -> None:
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     with open(os.path.join(log_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    _exit_with_launcher(log_dir)
+
+
+#: Name of the file in which the launcher leaves its pid (``Supervisor``).
+LAUNCHER_PID = "launcher.pid"
+
+
+def _exit_with_launcher(log_dir: str) -> None:
+    """End this rank when the process that launched it is gone.
+
+    The launcher stops its ranks itself on success, failure, timeout and interrupt;
+    this covers the case it cannot: a launcher killed outright (a notebook kernel
+    restarted, ``kill -9``), whose ranks would otherwise wait in a collective, or
+    train on, with nobody to report to.
+    """
+    try:
+        with open(os.path.join(log_dir, LAUNCHER_PID)) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, but another user's: not ours to judge
+                pass
+
+    threading.Thread(target=watch, daemon=True, name="dtlib-launcher-watch").start()
 
 
 def record_exception(log_dir: str, rank: int, exc: BaseException) -> None:
