@@ -60,21 +60,24 @@ def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank's local piece of ``t``: a DTensor's ``to_local()``, else ``t``.
 
-    The one place that tells a DTensor from a plain tensor by duck typing, so that
-    code over "this rank's storage" reads the same for both.
+    Code over "this rank's storage" reads the same for both; :func:`is_dtensor` is
+    the one place that tells them apart.
     """
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (a sharded or replicated view over a device mesh)."""
-    return hasattr(t, "to_local")
+    """Whether ``t`` is a DTensor (a sharded or replicated view over a device mesh).
+
+    Duck-typed, here only, so that code runs on torch versions whose DTensor lives
+    under another module path."""
+    return hasattr(t, "to_local") and hasattr(t, "full_tensor")
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole of ``t`` as one process holds it: a DTensor's ``full_tensor()``
     (a collective over its mesh), else ``t``."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def unwrap(model: nn.Module) -> nn.Module:
