@@ -69,6 +69,18 @@ class TrainConfig:
     tp: tensor-parallel degree (fsdp and the GPT only): a (dp, tp) device mesh,
         DTensor TP inside each group of tp ranks, FSDP2 across dp; divides the
         world size and n_heads (1: no tensor parallelism).
+    data: a directory written by ``python -m dtlib.train.data prepare``: train on
+        its memory-mapped token file instead of the synthetic corpus (vocab_size
+        must cover the file's vocabulary; dataset_size is then unused).
+    eval_fraction: data only: the last fraction of the token file held out for
+        evaluation (0: none).
+    eval_every: every this many steps, the mean loss on the held-out samples (0:
+        never); the synthetic corpus holds out eval_samples of another seed.
+    eval_samples: held-out samples per evaluation (the first ones, the same on any
+        world size).
+    log_file: rank 0 appends one JSON line per logged step and per evaluation
+        here (default: train_log.jsonl in ckpt_dir when there is one).
+    peak_flops: one device's peak FLOP/s for MFU (0: a matmul measured at start-up).
     """
 
     strategy: str = "ddp"
@@ -99,6 +111,12 @@ class TrainConfig:
     summary_json: str | None = None
     loss_scale: float = 65536.0
     tp: int = 1
+    data: str | None = None
+    eval_fraction: float = 0.05
+    eval_every: int = 0
+    eval_samples: int = 32
+    log_file: str | None = None
+    peak_flops: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGY_NAMES)
@@ -114,9 +132,9 @@ class TrainConfig:
                              "(init_from's directory holds its own config.json)")
         for name in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size",
                      "micro_batch", "accum_steps", "steps", "dataset_size",
-                     "save_every", "log_every"):
+                     "save_every", "log_every", "eval_samples"):
             _int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "seed", "stop_after"):
+        for name in ("warmup", "seed", "stop_after", "eval_every"):
             _int(name, getattr(self, name), minimum=0)
         if self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by "
@@ -127,7 +145,15 @@ class TrainConfig:
                                  "and > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        for name in ("weight_decay", "grad_clip"):
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction={self.eval_fraction!r} must be in [0, 1)")
+        if self.data is not None and not os.path.isdir(self.data):
+            raise ValueError(f"data={self.data!r} is not a directory; allowed: one "
+                             "written by `python -m dtlib.train.data prepare`")
+        if self.data is not None and self.eval_every and self.eval_fraction == 0:
+            raise ValueError(f"eval_every={self.eval_every} needs a held-out split; "
+                             "eval_fraction=0 holds out nothing; allowed: > 0")
+        for name in ("weight_decay", "grad_clip", "peak_flops"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be finite "
                                  "and >= 0")
@@ -135,7 +161,7 @@ class TrainConfig:
                 and not os.path.isdir(self.ckpt_dir):
             raise ValueError(f"ckpt_dir={self.ckpt_dir!r} is a file; allowed: a "
                              "directory (it is created if missing)")
-        for name in ("summary_json",):
+        for name in ("summary_json", "log_file"):
             if getattr(self, name) is not None and os.path.isdir(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} is a directory; "
                                  "allowed: a file path")
@@ -234,11 +260,35 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
                          "(mesh dp x tp); allowed: a divisor of it")
     dp = world_size // cfg.tp
     batch = cfg.micro_batch * cfg.accum_steps * dp
-    if cfg.dataset_size < batch:
+    if cfg.data is not None:
+        check_data(cfg, batch)
+    elif cfg.dataset_size < batch:
         raise ValueError(f"dataset_size={cfg.dataset_size} is smaller than one global "
                          f"batch (micro_batch {cfg.micro_batch} x accum_steps "
                          f"{cfg.accum_steps} x dp ranks {dp} = {batch}); "
                          f"allowed: >= {batch}")
+
+
+def check_data(cfg: TrainConfig, batch: int) -> None:
+    """``--data``: the token file's vocabulary fits ``vocab_size``, and its training
+    split holds one global batch of ``batch`` windows.
+
+    Taught in: Chapter 10, "Real token files".
+    """
+    from dtlib.train.data import TokenWindows, held_out_split
+    from dtlib.train.tokens import read_meta
+
+    meta = read_meta(cfg.data)
+    if meta["vocab_size"] > cfg.vocab_size:
+        raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the token "
+                         f"file's vocabulary ({meta['vocab_size']}, {cfg.data}); "
+                         f"allowed: >= {meta['vocab_size']}")
+    train, _ = held_out_split(TokenWindows.count(meta["n_tokens"], cfg.seq_len),
+                              cfg.eval_fraction)
+    if train < batch:
+        raise ValueError(f"data={cfg.data!r} has {train} training windows of "
+                         f"seq_len + 1 tokens, fewer than one global batch ({batch}); "
+                         "allowed: a larger corpus or a smaller batch")
 
 
 def field_docs() -> dict[str, str]:

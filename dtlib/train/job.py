@@ -22,17 +22,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtlib.accumulation import accumulation_step
-from dtlib.data_parallel.sampling import ResumableSampler
 from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
 from dtlib.models.run import Parallelism
 from dtlib.runtime import dist as ddist
 from dtlib.train.config import STRATEGY_NAMES, TrainConfig
-from dtlib.train.data import MicroBatch, SyntheticTokens, step_batches
+from dtlib.train.data import (GlobalSampler, MicroBatch, SyntheticTokens, open_split,
+                              step_batches)
 from dtlib.train.model import build_model, count_params, logits_of
 from dtlib.train.strategies import STRATEGIES, Strategy
 
 __all__ = ["DoesNotFit", "check_memory", "prepare_model", "lr_lambda", "token_loss",
-           "OPTIMIZERS", "Job", "build_job"]
+           "OPTIMIZERS", "Job", "build_job", "build_data"]
 
 #: ``--optimizer`` -> (class, arguments besides lr and weight_decay).
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -140,7 +140,9 @@ class Job:
     strategy: the row of the strategy table; par: its Parallelism.
     model: the wrapped (or sharded) model; optimizer, scheduler, scaler (fp16 or
         None): built after wrapping, restored by a resume.
-    data, sampler: the dataset and this rank's resumable sampler (the data state).
+    data, sampler: the training samples and the job's sampler (the data state:
+        samples consumed, the same on every rank); held_out: the evaluation
+        samples (None without ``--eval-every``).
     batch_fn, step_fn: ``run_steps``'s per-step local batch (``accum_steps``
         micro-batches) and the accumulating step (Chapter 8).
     n_params, states: the parameter count and the model-state bytes per device.
@@ -154,8 +156,9 @@ class Job:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: Any
-    data: SyntheticTokens
-    sampler: ResumableSampler
+    data: Any
+    sampler: GlobalSampler
+    held_out: Any
     batch_fn: Callable[[int], list[MicroBatch]]
     step_fn: Callable[..., torch.Tensor]
     n_params: int
@@ -203,14 +206,30 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     # so it exists before a resume restores its scale.
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale) \
         if cfg.precision == "fp16" else None
-    data = SyntheticTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab_size, cfg.seed)
+    data, held_out = build_data(cfg)
     # Shard by data-parallel rank only: the tp ranks of one row read the same batch.
     dp_rank = dist.get_rank(par.dp_group) if par.dp_size > 1 else 0
-    sampler = ResumableSampler(len(data), rank=dp_rank, world_size=par.dp_size,
-                               seed=cfg.seed)
+    sampler = GlobalSampler(len(data), seed=cfg.seed)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     step_fn = accumulation_step(cfg.accum_steps, token_loss, autocast_dtype=low
                                 if strategy.autocast else None)
-    batch_fn = step_batches(data, sampler, cfg.micro_batch, cfg.accum_steps, device)
+    batch_fn = step_batches(data, sampler, cfg.micro_batch, cfg.accum_steps,
+                            dp_rank, par.dp_size, device)
     return Job(cfg, world, strategy, par, model, opt, sched, scaler, data, sampler,
-               batch_fn, step_fn, n_params, states)
+               held_out, batch_fn, step_fn, n_params, states)
+
+
+def build_data(cfg: TrainConfig) -> tuple[Any, Any]:
+    """(training samples, held-out samples or None) of ``cfg``: the token file's
+    split (``--data``) or the synthetic corpus (held out: ``eval_samples`` of
+    another seed), the same on every rank.
+
+    Taught in: Chapter 10, "Real token files".
+    """
+    if cfg.data is not None:
+        data, held_out, _ = open_split(cfg.data, cfg.seq_len, cfg.eval_fraction)
+        return data, held_out if cfg.eval_every else None
+    data = SyntheticTokens(cfg.dataset_size, cfg.seq_len, cfg.vocab_size, cfg.seed)
+    held_out = SyntheticTokens(cfg.eval_samples, cfg.seq_len, cfg.vocab_size,
+                               cfg.seed + 1) if cfg.eval_every else None
+    return data, held_out

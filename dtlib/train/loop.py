@@ -18,10 +18,12 @@ Taught in: Chapter 10, "One training script".
 from __future__ import annotations
 
 import json
-import time
+import math
+import os
 from dataclasses import asdict
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from dtlib.memory.formulas import GB
@@ -29,6 +31,8 @@ from dtlib.models.run import RunResult, run_steps
 from dtlib.runtime import dist as ddist
 from dtlib.train.config import TrainConfig, parse_args
 from dtlib.train.job import Job, build_job
+from dtlib.train.metrics import (RunLog, StepClock, evaluate, flops_per_token,
+                                 measured_peak_flops, peak_memory)
 from dtlib.train.state import param_digest, resume, save_state
 
 __all__ = ["TrainConfig", "main", "train"]
@@ -66,29 +70,78 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     start = resume(job)
     _announce(job, start)
     if job.strategy.warm_up is not None and job.par.dp_size > 1:
-        x = job.data.data[:cfg.micro_batch, :-1].to(world.device)
+        x = job.data.rows(torch.arange(cfg.micro_batch))[:, :-1].to(world.device)
         job.strategy.warm_up(job.model, x)  # DDP: same buckets fresh or resumed
-    t0 = time.perf_counter()
+    log = RunLog(cfg.log_file or (os.path.join(cfg.ckpt_dir, "train_log.jsonl")
+                                  if cfg.ckpt_dir else None))
+    flops = flops_per_token(job.n_params, cfg.n_layers, cfg.seq_len, cfg.hidden) \
+        * job.global_tokens  # per step, every device together
+    peak = _peak_flops(job)
+    evals: dict[str, float] = {}
+    clock = StepClock()
 
     def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
-        if cfg.ckpt_dir and (step % cfg.save_every == 0 or step == cfg.steps):
-            save_state(job, step)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            rate = (step - start) * job.global_tokens / (time.perf_counter() - t0)
-            ddist.rprint(f"step {step:5d} | loss {loss:.4f} | lr "
-                         f"{job.scheduler.get_last_lr()[0]:.2e} | {rate:,.0f} tokens/s")
-        if cfg.stop_after and step - start >= cfg.stop_after:
-            ddist.rprint(f"stopping after step {step} (simulated crash: no final save)")
-            return True
+        clock.step_done()
+        with clock.paused():  # saves, evaluations and logging are no step's time
+            if cfg.ckpt_dir and (step % cfg.save_every == 0 or step == cfg.steps):
+                save_state(job, step)
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                evals[str(step)] = value = evaluate(job)
+                log.write({"step": step, "eval_loss": value},
+                          f"step {step:5d} | eval loss {value:.4f} (held out)")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                _log_step(job, log, step, loss, float(extra["grad_norms"][-1]),
+                          clock.take(), flops, peak)
+            if cfg.stop_after and step - start >= cfg.stop_after:
+                ddist.rprint(f"stopping after step {step} (simulated crash: no "
+                             "final save)")
+                return True
         return False
 
+    # Without clipping the norm is still measured: clipping to inf multiplies every
+    # gradient by exactly 1.0 (the clip coefficient min(inf / norm, 1)).
     result = run_steps(job.par, job.model, job.batch_fn, cfg.steps, start=start,
                        local=True, wrapped=job.model, optimizer=job.optimizer,
                        scheduler=job.scheduler, scaler=job.scaler,
                        step_fn=job.step_fn,
-                       max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None,
+                       max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
                        record_grads=False, record_params=False, on_step=on_step)
+    result.extra["eval_losses"] = evals
     return _summarise(job, start, result)
+
+
+def _peak_flops(job: Job) -> tuple[float, str]:
+    """(one device's peak FLOP/s, where it comes from): ``--peak-flops``, or a
+    matmul in the run's compute dtype measured on rank 0's device."""
+    cfg = job.cfg
+    if cfg.peak_flops:
+        return cfg.peak_flops, "--peak-flops"
+    if not job.world.is_main:  # only rank 0 logs
+        return math.nan, "not measured on this rank"
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16 \
+        if cfg.precision == "fp16" and job.world.device.type == "cuda" \
+        else torch.float32
+    peak = measured_peak_flops(job.world.device, dtype)
+    source = f"measured: {str(dtype).replace('torch.', '')} matmul"
+    ddist.rprint(f"MFU is over a peak of {peak / 1e12:.3g} TFLOP/s per device "
+                 f"({source}; give --peak-flops for the datasheet's)")
+    return peak, source
+
+
+def _log_step(job: Job, log: RunLog, step: int, loss: float, grad_norm: float,
+              step_time: float, flops: int, peak: tuple[float, str]) -> None:
+    """One line and one JSON record: what a practitioner reads at ``step``."""
+    rate = job.global_tokens / step_time
+    mfu = flops / step_time / (job.world.world_size * peak[0])
+    mem, kind = peak_memory(job.world.device)
+    lr = job.scheduler.get_last_lr()[0]
+    log.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "step_time_s": step_time, "tokens_per_s": rate, "mfu": mfu,
+               "peak_flops": peak[0], "peak_flops_source": peak[1],
+               "peak_memory_bytes": mem, "peak_memory_kind": kind},
+              f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad norm "
+              f"{grad_norm:.3f} | {step_time * 1e3:.1f} ms/step | {rate:,.0f} tokens/s"
+              f" | MFU {mfu:.1%} | {kind} {mem / 2 ** 20:,.0f} MiB")
 
 
 def _announce(job: Job, start: int) -> None:
@@ -111,6 +164,7 @@ def _summarise(job: Job, start: int, result: RunResult) -> dict[str, Any]:
                "losses": losses, "param_sha256": digest, "param_norm": norm,
                "world_size": world.world_size,
                "loss_scale": job.scaler.get_scale() if job.scaler else None,
+               "eval_losses": result.extra["eval_losses"],
                "config": asdict(cfg)}
     ddist.rprint(f"done: steps {start}->{step}, final loss {loss:.4f}, "
                  f"params {digest} (norm {norm:.6f})")

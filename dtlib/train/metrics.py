@@ -1,0 +1,187 @@
+"""What a practitioner reads while the capstone trains: one line per logged step.
+
+Every logged line (and one JSON line in the run's log file, :class:`RunLog`) has the
+step, the global loss, the learning rate, the global gradient norm before clipping,
+the step time and tokens/s (the mean over the steps since the last line, measured
+from step end to step end with the saves, evaluations and logging taken out, so
+neither start-up nor checkpoints are in them), the MFU and the peak memory:
+
+- MFU (model FLOPs utilisation, Chowdhery et al. 2022, App. B) is the model's FLOPs
+  per step over the time of the step times the peak of every device: per token
+  ``6 N`` for the parameters' matmuls forward and backward plus ``12 l s h`` for
+  attention's scores and weighted sums (:func:`flops_per_token`). Recomputation is
+  not counted: it is work the hardware does, not the model (that is HFU). The peak
+  is ``--peak-flops`` or, without it, a matmul measured on the device at start-up
+  (:func:`measured_peak_flops`); the first line says which.
+- peak memory is the CUDA caching allocator's high-water mark of allocated bytes on
+  a GPU, the process's peak resident set (``ru_maxrss``) on the CPU; the line names
+  which.
+
+:func:`evaluate` is the held-out loss every ``--eval-every`` steps: the mean
+per-token loss over the same first ``eval_samples`` held-out samples whatever the
+world size (each data-parallel rank sums its share, one all-reduce of the sum and
+the count).
+
+Taught in: Chapter 10, "What the log says".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtlib.runtime import dist as ddist
+from dtlib.train.model import logits_of
+
+__all__ = ["flops_per_token", "measured_peak_flops", "peak_memory", "evaluate",
+           "StepClock", "RunLog"]
+
+
+def flops_per_token(n_params: int, n_layers: int, seq_len: int, hidden: int) -> int:
+    """Model FLOPs of one trained token: ``6 N + 12 l s h`` (Chowdhery et al. 2022,
+    App. B: 2 per multiply-add, backward twice the forward; the attention term is
+    QK^T and scores x V, which have no parameters).
+
+    Taught in: Chapter 10, "What the log says".
+    """
+    return 6 * n_params + 12 * n_layers * seq_len * hidden
+
+
+def measured_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
+                        n: int | None = None, reps: int = 5) -> float:
+    """The best FLOP/s of ``reps`` square ``n x n`` matmuls on ``device``: a peak this
+    device really reaches, for MFU when no datasheet peak is given.
+
+    Args:
+        device: where to measure; dtype: the matmul's dtype (the run's compute one);
+        n: the size (default 4096 on a GPU, 512 on the CPU: a few milliseconds).
+    Returns:
+        FLOP/s (``2 n^3`` per matmul over its time).
+
+    Taught in: Chapter 10, "What the log says".
+    """
+    n = n or (4096 if device.type == "cuda" else 512)
+    a = torch.ones(n, n, device=device, dtype=dtype)  # no random draw is consumed
+    b = torch.ones(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(reps + 1):  # the first one warms up (kernel choice, page faults)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / min(times[1:])
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """(peak bytes, what they are): the CUDA allocator's peak allocated bytes on a
+    GPU, the process's peak resident set on the CPU.
+
+    Taught in: Chapter 10, "What the log says".
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda allocated"
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return int(rss) * (1 if sys.platform == "darwin" else 1024), "peak RSS"
+
+
+@torch.no_grad()
+def evaluate(job: Any) -> float:
+    """The mean per-token loss of the first ``eval_samples`` held-out samples (cut to
+    a multiple of the data-parallel ranks, so every rank runs as many forwards).
+
+    Every rank calls it (FSDP gathers parameters in the forward).
+
+    Taught in: Chapter 10, "What the log says".
+    """
+    cfg, par, held = job.cfg, job.par, job.held_out
+    dp = par.dp_size
+    n = min(cfg.eval_samples, len(held)) // dp * dp
+    if n == 0:
+        raise ValueError(f"eval_samples={cfg.eval_samples}: the held-out split has "
+                         f"{len(held)} samples, fewer than the {dp} data-parallel "
+                         "ranks; allowed: a larger eval_fraction or corpus")
+    rank = dist.get_rank(par.dp_group) if dp > 1 else 0
+    mine = torch.arange(rank, n, dp)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    device = job.world.device
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    job.model.eval()
+    for chunk in mine.split(cfg.micro_batch):
+        rows = held.rows(chunk).to(device)
+        amp = torch.autocast(device.type, dtype=low) if low is not None \
+            and job.strategy.autocast else torch.autocast(device.type, enabled=False)
+        with amp:
+            logits = logits_of(job.model(rows[:, :-1]))
+        total[0] += F.cross_entropy(logits.float().flatten(0, 1),
+                                    rows[:, 1:].flatten(), reduction="sum").double()
+        total[1] += rows[:, 1:].numel()
+    job.model.train()
+    if dp > 1:
+        dist.all_reduce(total, group=par.dp_group)
+    loss_sum, count = total.tolist()  # the evaluation's one host sync
+    return loss_sum / count
+
+
+class StepClock:
+    """Step times from step end to step end, with what runs in :meth:`paused`
+    (saving, evaluating, logging) taken out.
+
+    Taught in: Chapter 10, "What the log says".
+    """
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.times: list[float] = []
+
+    def step_done(self) -> None:
+        """A step has ended (the loop has synchronised the device)."""
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A context whose time is no step's."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """The mean step time since the last call (seconds); starts a new window."""
+        mean = sum(self.times) / max(1, len(self.times))
+        self.times = []
+        return mean
+
+
+class RunLog:
+    """Rank 0's log: a printed line and a JSON line (appended to ``path``) per record.
+
+    Taught in: Chapter 10, "What the log says".
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path if ddist.world().is_main else None
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+
+    def write(self, record: dict[str, Any], line: str) -> None:
+        """Print ``line`` on rank 0 and append ``record`` to the log file."""
+        ddist.rprint(line)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
