@@ -23,7 +23,13 @@ import functools
 import io
 import json
 import os
+import random
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
@@ -31,12 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.checkpoint.state import list_checkpoints
 from dtlib.models.run import Parallelism
 from dtlib.runtime import dist as ddist
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 from dtlib.train import job as train_job
 from dtlib.train.config import STRATEGY_NAMES, TrainConfig, parse_args
+from dtlib.train.faults import Preemption
 from dtlib.train.job import DoesNotFit, check_memory, lr_lambda, prepare_model
 from dtlib.train.loop import main, train
 from dtlib.train.strategies import STRATEGIES
@@ -110,10 +118,24 @@ def _missing_x_n(model: nn.Module, micro_batch) -> torch.Tensor:
 _TOKEN_LOSS = train_job.token_loss
 
 
+class _SignalDuring:
+    """``token_loss`` that sends rank 0's own process a real SIGTERM during step
+    ``step``'s forward (Slurm's preemption notice arriving mid-step, on one rank)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def __call__(self, model: nn.Module, micro_batch) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.step and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return _TOKEN_LOSS(model, micro_batch)
+
+
 def rank_runs(plan: list) -> dict:
     """On every rank: each ``(name, argv, defect)`` of ``plan`` through the script's
     ``train``, in turn; a callable entry (file surgery between runs) runs on rank 0.
-    ``defect``: plant the missing x N.
+    ``defect``: True plants the missing x N; a callable replaces ``token_loss``.
 
     Returns ``{name: summary + {"text": rank 0's output, "warnings": [...]}}``.
     """
@@ -130,7 +152,7 @@ def rank_runs(plan: list) -> dict:
                 contextlib.redirect_stdout(text):
             warnings.simplefilter("always")
             if defect:
-                train_job.token_loss = _missing_x_n
+                train_job.token_loss = _missing_x_n if defect is True else defect
             try:
                 summary = train(parse_args(argv), world())
             finally:
@@ -171,7 +193,8 @@ def two(tmp_path_factory):
     """Every 2-rank run, in one launch: SGD proofs (DDP, a planted defect, FSDP2);
     DDP, FSDP2 and fp16 crash-and-resume, with their uninterrupted runs."""
     tmp = str(tmp_path_factory.mktemp("train2"))
-    ddp_ckpt, fp16_ckpt = (os.path.join(tmp, n) for n in ("ddp", "fp16"))
+    ddp_ckpt, fp16_ckpt, sig_ckpt = (os.path.join(tmp, n)
+                                     for n in ("ddp", "fp16", "sigterm"))
     fsdp_ckpt, damaged = os.path.join(tmp, "fsdp"), os.path.join(tmp, "fsdp_damaged")
     fp16 = ["--precision", "fp16", "--loss-scale", str(2.0 ** 20)]
     plan = [
@@ -190,10 +213,13 @@ def two(tmp_path_factory):
         ("fp16", fp16, False),
         ("fp16_crash", [*fp16, "--ckpt-dir", fp16_ckpt, "--stop-after", "5"], False),
         ("fp16_resume", [*fp16, "--ckpt-dir", fp16_ckpt], False),
+        # SIGTERM during step 4 on rank 0: both ranks save step 4 and leave
+        ("sigterm", ["--ckpt-dir", sig_ckpt, "--keep-last", "1"], _SignalDuring(4)),
+        ("sigterm_resume", ["--ckpt-dir", sig_ckpt, "--keep-last", "1"], False),
     ]
     res = launch.spawn(rank_runs, 2, with_base(BASE, plan), stream=False,
                        timeout=900)[0]
-    res["fsdp_ckpt"] = fsdp_ckpt
+    res["fsdp_ckpt"], res["sig_ckpt"] = fsdp_ckpt, sig_ckpt
     return res
 
 
@@ -267,6 +293,21 @@ def test_ddp_crash_and_resume_is_bit_exact(two):
     assert resumed["param_sha256"] == two["ddp"]["param_sha256"]
     assert resumed["final_loss"] == two["ddp"]["final_loss"]
     assert crash["losses"]["4"] == resumed["losses"]["4"]  # redone identically
+
+
+@pytest.mark.timeout(1200)
+def test_sigterm_saves_at_the_step_boundary_and_the_resume_is_bit_exact(two):
+    """A real SIGTERM reaches rank 0 in the middle of step 4: step 4 finishes, both
+    ranks agree, save it and leave; the resume ends where the uninterrupted run
+    does. --keep-last 1 leaves only the newest checkpoint (8) of 3, 4, 6, 8. A run
+    that finds nothing to load says it starts from step 0."""
+    sig, resumed = two["sigterm"], two["sigterm_resume"]
+    assert sig["preempted"] == "SIGTERM" and sig["end_step"] == 4, sig["text"]
+    assert "SIGTERM received: saved step 4" in sig["text"]
+    assert resumed["start_step"] == 4 and resumed["preempted"] is None
+    assert resumed["param_sha256"] == two["ddp"]["param_sha256"]
+    assert [s for s, _ in list_checkpoints(two["sig_ckpt"])] == [8]
+    assert "none saved yet): starting from step 0" in two["ddp_crash"]["text"]
 
 
 @pytest.mark.timeout(1200)
@@ -344,6 +385,62 @@ def test_the_script_under_torchrun_equals_one_process(tmp_path, one):
         summary = json.load(f)
     assert summary["world_size"] == 2 and summary["end_step"] == STEPS
     assert_equal_to_one_process(summary, one["sgd"])
+
+
+@pytest.mark.timeout(1200)
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_by_itself(tmp_path, two):
+    """``torchrun --max-restarts=1``: rank 1 is SIGKILLed in the middle of a random
+    step of 4..8 (--kill-at-step, first attempt only); torchrun stops rank 0 and
+    starts both again; they find the newest checkpoint (saves every 3 steps) and end
+    bit-identical to the uninterrupted 2-rank run."""
+    kill = random.randint(4, 8)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", "--max-restarts=1", "--monitor_interval=0.1",
+           "-m", "dtlib.train", *BASE, "--ckpt-dir", str(ckpt), "--kill-at-step",
+           str(kill), "--summary-json", str(out)]
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    assert f"SIGKILL in step {kill}" in text, text
+    summary = json.loads(out.read_text())
+    assert summary["start_step"] == 3 * ((kill - 1) // 3), (kill, text)
+    assert summary["end_step"] == STEPS
+    assert summary["param_sha256"] == two["ddp"]["param_sha256"], (kill, text)
+
+
+def test_sigusr1_saves_and_exits_0(tmp_path):
+    """Slurm's warning signal (``--signal=USR1@...``) to the script's process, once
+    its first checkpoint exists: it saves the step it is in and exits with 0."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtlib.train", "--steps", "2000", "--save-every", "5",
+         "--log-every", "1000", "--ckpt-dir", str(ckpt), "--micro-batch", "2"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list_checkpoints(ckpt) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGUSR1)
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, text
+    saved = re.search(r"SIGUSR1 received: saved step (\d+)", text)
+    assert saved, text
+    assert list_checkpoints(ckpt)[-1][0] == int(saved.group(1)) < 2000
+
+
+def test_preemption_handlers_are_put_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with Preemption() as stop:
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested() == "SIGUSR1"
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 # ---- the parts -----------------------------------------------------------------------

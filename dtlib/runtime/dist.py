@@ -221,6 +221,11 @@ def init(
         store = dist.HashStore()  # a world of one needs no network rendezvous
     if store is None:  # torchrun's env://, opened here so that ranks can compare
         store = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))[0]
+        # torchrun keeps its store across restarts (--max-restarts): without a
+        # prefix per attempt, a restarted group reads the dead group's addresses.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None:
+            store = dist.PrefixStore(f"attempt_{attempt}/", store)
     if world_size > 1:
         agree_backend(store, rank, world_size, backend)
     kwargs.update(store=store, rank=rank, world_size=world_size)

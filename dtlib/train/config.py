@@ -81,6 +81,10 @@ class TrainConfig:
     log_file: rank 0 appends one JSON line per logged step and per evaluation
         here (default: train_log.jsonl in ckpt_dir when there is one).
     peak_flops: one device's peak FLOP/s for MFU (0: a matmul measured at start-up).
+    keep_last: after each save, delete all but this many newest checkpoints (0:
+        keep every one).
+    kill_at_step: a rehearsal of a dead rank: the last rank SIGKILLs itself in the
+        middle of this step, in torchrun's first attempt only (0: never).
     """
 
     strategy: str = "ddp"
@@ -117,6 +121,8 @@ class TrainConfig:
     eval_samples: int = 32
     log_file: str | None = None
     peak_flops: float = 0.0
+    keep_last: int = 0
+    kill_at_step: int = 0
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGY_NAMES)
@@ -134,7 +140,8 @@ class TrainConfig:
                      "micro_batch", "accum_steps", "steps", "dataset_size",
                      "save_every", "log_every", "eval_samples"):
             _int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "seed", "stop_after", "eval_every"):
+        for name in ("warmup", "seed", "stop_after", "eval_every", "keep_last",
+                     "kill_at_step"):
             _int(name, getattr(self, name), minimum=0)
         if self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by "

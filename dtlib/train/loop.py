@@ -30,6 +30,7 @@ from dtlib.memory.formulas import GB
 from dtlib.models.run import RunResult, run_steps
 from dtlib.runtime import dist as ddist
 from dtlib.train.config import TrainConfig, parse_args
+from dtlib.train.faults import Preemption, kill_rehearsal, retain
 from dtlib.train.job import Job, build_job
 from dtlib.train.metrics import (RunLog, StepClock, evaluate, flops_per_token,
                                  measured_peak_flops, peak_memory)
@@ -79,12 +80,19 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     peak = _peak_flops(job)
     evals: dict[str, float] = {}
     clock = StepClock()
+    stop = Preemption()
+    batch_fn = kill_rehearsal(job.batch_fn, cfg.kill_at_step, world.world_size - 1)
+
+    def save(step: int) -> None:
+        save_state(job, step)
+        retain(cfg.ckpt_dir, cfg.keep_last, job.strategy.sharded_checkpoint)
 
     def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
         clock.step_done()
         with clock.paused():  # saves, evaluations and logging are no step's time
-            if cfg.ckpt_dir and (step % cfg.save_every == 0 or step == cfg.steps):
-                save_state(job, step)
+            saved = cfg.ckpt_dir and (step % cfg.save_every == 0 or step == cfg.steps)
+            if saved:
+                save(step)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evals[str(step)] = value = evaluate(job)
                 log.write({"step": step, "eval_loss": value},
@@ -96,17 +104,30 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
                 ddist.rprint(f"stopping after step {step} (simulated crash: no "
                              "final save)")
                 return True
+            signal_name = stop.requested()  # every rank, every step: they agree
+            if signal_name:
+                if cfg.ckpt_dir and not saved:
+                    save(step)
+                ddist.rprint(f"{signal_name} received: " + (
+                    f"saved step {step}" if cfg.ckpt_dir else "no --ckpt-dir to save "
+                    "to") + ", leaving the loop (exit status 0)")
+                preempted.append(signal_name)
+                return True
         return False
+
+    preempted: list[str] = []
 
     # Without clipping the norm is still measured: clipping to inf multiplies every
     # gradient by exactly 1.0 (the clip coefficient min(inf / norm, 1)).
-    result = run_steps(job.par, job.model, job.batch_fn, cfg.steps, start=start,
-                       local=True, wrapped=job.model, optimizer=job.optimizer,
-                       scheduler=job.scheduler, scaler=job.scaler,
-                       step_fn=job.step_fn,
-                       max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
-                       record_grads=False, record_params=False, on_step=on_step)
-    result.extra["eval_losses"] = evals
+    with stop:
+        result = run_steps(job.par, job.model, batch_fn, cfg.steps, start=start,
+                           local=True, wrapped=job.model, optimizer=job.optimizer,
+                           scheduler=job.scheduler, scaler=job.scaler,
+                           step_fn=job.step_fn, max_grad_norm=cfg.grad_clip
+                           if cfg.grad_clip > 0 else math.inf, record_grads=False,
+                           record_params=False, on_step=on_step)
+    result.extra.update(eval_losses=evals, preempted=preempted[0] if preempted
+                        else None)
     return _summarise(job, start, result)
 
 
@@ -165,6 +186,7 @@ def _summarise(job: Job, start: int, result: RunResult) -> dict[str, Any]:
                "world_size": world.world_size,
                "loss_scale": job.scaler.get_scale() if job.scaler else None,
                "eval_losses": result.extra["eval_losses"],
+               "preempted": result.extra["preempted"],
                "config": asdict(cfg)}
     ddist.rprint(f"done: steps {start}->{step}, final loss {loss:.4f}, "
                  f"params {digest} (norm {norm:.6f})")

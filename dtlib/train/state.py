@@ -29,16 +29,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from dtlib.checkpoint.safe_dcp import (CheckpointDamaged, safe_dcp_load,
                                        verify_manifest, write_manifest)
-from dtlib.checkpoint.state import (atomic_save, clean_leftovers, load_latest_good,
-                                    rng_state, save_checkpoint, set_rng_state)
+from dtlib.checkpoint.state import (atomic_save, clean_leftovers, list_checkpoints,
+                                    load_latest_good, rng_state, save_checkpoint,
+                                    set_rng_state)
 from dtlib.models.run import full_tensor
 from dtlib.runtime.dist import rprint
 from dtlib.train.job import Job
 
-__all__ = ["save_state", "resume", "param_digest"]
+__all__ = ["save_state", "resume", "param_digest", "dcp_dirs"]
 
 
-def _dcp_dirs(ckpt_dir: str) -> list[str]:
+def dcp_dirs(ckpt_dir: str) -> list[str]:
     """The finished sharded checkpoints of ``ckpt_dir``, newest first."""
     names = [n for n in os.listdir(ckpt_dir) if re.fullmatch(r"step\d{8}", n)] \
         if os.path.isdir(ckpt_dir) else []
@@ -48,7 +49,7 @@ def _dcp_dirs(ckpt_dir: str) -> list[str]:
 def _newest_good_dcp(ckpt_dir: str) -> tuple[str, dict[str, Any]] | None:
     """The newest sharded checkpoint whose files match its manifest, and the
     manifest; damaged ones are skipped with a warning."""
-    for path in _dcp_dirs(ckpt_dir):
+    for path in dcp_dirs(ckpt_dir):
         try:
             return path, verify_manifest(path)
         except CheckpointDamaged as exc:
@@ -113,12 +114,12 @@ def resume(job: Job) -> int:
     if not job.strategy.sharded_checkpoint:
         got = load_latest_good(cfg.ckpt_dir, model, opt, sched, sampler, scaler)
         if got is None:
-            return 0
+            return _fresh(cfg.ckpt_dir)
         rprint(f"resumed from {got['path']} (step {got['step']})")
         return got["step"]
     found = _newest_good_dcp(cfg.ckpt_dir)
     if found is None:
-        return 0
+        return _fresh(cfg.ckpt_dir)
     path, manifest = found
     ws = dist.get_world_size()
     if manifest["world_size"] != ws:  # per-rank sampler and RNG files would not fit
@@ -144,6 +145,15 @@ def resume(job: Job) -> int:
         scaler.load_state_dict(mine["scaler"])
     rprint(f"resumed from {path} (step {mine['step']})")
     return mine["step"]
+
+
+def _fresh(ckpt_dir: str) -> int:
+    """Say that nothing was loaded, and why, before starting from step 0."""
+    n = len(dcp_dirs(ckpt_dir)) + len(list_checkpoints(ckpt_dir)) \
+        if os.path.isdir(ckpt_dir) else 0
+    rprint(f"no loadable checkpoint in {ckpt_dir} ("
+           + (f"{n} damaged" if n else "none saved yet") + "): starting from step 0")
+    return 0
 
 
 def param_digest(model: nn.Module) -> tuple[str, float]:
