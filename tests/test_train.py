@@ -43,10 +43,14 @@ from dtlib.runtime import dist as ddist
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 from dtlib.train import job as train_job
+from dtlib.memory.recompute import RECOMPUTE_MODES
+from dtlib.models.gpt import ATTENTION
+from dtlib.train import config as config_module
 from dtlib.train.config import STRATEGY_NAMES, TrainConfig, parse_args
 from dtlib.train.faults import Preemption
 from dtlib.train.job import DoesNotFit, check_memory, lr_lambda, prepare_model
 from dtlib.train.loop import main, train
+from dtlib.train.model import build_model
 from dtlib.train.strategies import STRATEGIES
 from fp32_tolerance import U32
 
@@ -465,6 +469,9 @@ def test_strategy_table_is_the_flag():
     (["--tp", "2"], ["--tp", "tp=2", "strategy='fsdp'", "strategy='ddp'"]),
     (["--strategy", "fsdp", "--tp", "3"], ["--tp", "tp=3", "n_heads=4", "divisor"]),
     (["--strategy", "fsdp", "--tp", "2"], ["--tp", "tp=2", "world size 1"]),
+    (["--attention", "flash"], ["--attention", "'flash'", "sdpa"]),
+    (["--recompute", "half"], ["--recompute", "'half'", "selective"]),
+    (["--export-hf", "out"], ["--export-hf", "hf-llama"]),
 ])
 def test_bad_flags_stop_in_one_argparse_line(argv, words, capsys, tmp_path,
                                              monkeypatch):
@@ -478,6 +485,42 @@ def test_bad_flags_stop_in_one_argparse_line(argv, words, capsys, tmp_path,
     for word in words:
         assert word in err[-1], err
     assert os.listdir(tmp_path) == []
+
+
+def test_recompute_and_attention_flags_change_how_not_what(one):
+    """--recompute full/selective run the same ops again in backward: bit-identical
+    to the run that saved everything. --attention sdpa is another kernel (other
+    summation order): equal to one process within the derived tolerance."""
+    flags = [*BASE, *SGD, "--accum-steps", "2"]
+    for mode in ("full", "selective"):
+        run = one_process(*flags, "--recompute", mode)
+        assert run["param_sha256"] == one["sgd"]["param_sha256"], mode
+    assert_equal_to_one_process(one_process(*flags, "--attention", "sdpa"), one["sgd"])
+    full = build_model(TrainConfig(recompute="full"))
+    assert all("forward" in vars(b) for b in full.blocks)  # each block checkpointed
+    selective = build_model(TrainConfig(recompute="selective"))
+    assert all(b.attn.core_fn is not None for b in selective.blocks)
+    assert build_model(TrainConfig(attention="sdpa")).blocks[0].attn.attention == "sdpa"
+    assert config_module.ATTENTION == ATTENTION
+    assert config_module.RECOMPUTE == RECOMPUTE_MODES
+
+
+def test_a_toml_config_gives_defaults_that_flags_override(tmp_path, capsys):
+    run = tmp_path / "run.toml"
+    run.write_text('strategy = "fsdp"\naccum-steps = 2\nlr = 1\nckpt_dir = "c"\n')
+    cfg = parse_args(["--config", str(run), "--lr", "0.5"])
+    assert (cfg.strategy, cfg.accum_steps, cfg.lr, cfg.ckpt_dir) == ("fsdp", 2, 0.5,
+                                                                      "c")
+    for text, words in (('acum-steps = 2\n', ["unknown key 'acum-steps'"]),
+                        ('steps = "many"\n', ["steps = 'many'", "int"]),
+                        ('steps = 2.5\n', ["steps = 2.5", "int"]),
+                        ('steps = \n', ["run.toml"])):
+        run.write_text(text)
+        with pytest.raises(SystemExit) as stop:
+            parse_args(["--config", str(run)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and "--config" in err[-1], err
+        assert all(w in err[-1] for w in words), err
 
 
 def test_flags_map_to_fields():

@@ -70,14 +70,17 @@ def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("train_hf"))
     straight_ckpt, crashed = (os.path.join(tmp, n) for n in ("straight", "ddp"))
     fsdp = ["--strategy", "fsdp", "--ckpt-dir", os.path.join(tmp, "fsdp")]
+    export = ["--export-hf", os.path.join(tmp, "export")]
     plan = [("straight", ["--ckpt-dir", straight_ckpt], False),
             functools.partial(_copy_step3, straight_ckpt, crashed),
             ("ddp_resume", ["--ckpt-dir", crashed], False),
             ("fsdp_crash", [*fsdp, "--stop-after", "4"], False),
-            ("fsdp_resume", fsdp, False),
+            ("fsdp_resume", [*fsdp, *export], False),
             ("sgd", SGD, False)]
-    return launch.spawn(rank_runs, 2, with_base(BASE, plan), stream=False,
-                        timeout=900)[0]
+    res = launch.spawn(rank_runs, 2, with_base(BASE, plan), stream=False,
+                       timeout=900)[0]
+    res["export"] = export[1]
+    return res
 
 
 def test_parameter_count_comes_from_the_model():
@@ -117,6 +120,21 @@ def test_fsdp_crash_and_resume(runs):
     # (AdamW has not acted yet: a one-step check).
     torch.testing.assert_close(crash["losses"]["1"], runs["straight"]["losses"]["1"],
                                rtol=loss_rtol(1, TERMS), atol=0)
+
+
+@pytest.mark.timeout(1200)
+def test_export_hf_writes_what_from_pretrained_loads(runs):
+    """--export-hf after an FSDP2 run on 2 ranks: the shards gathered into one
+    save_pretrained directory that transformers loads by itself, with the trained
+    parameters bit for bit (the same digest as the run's)."""
+    from transformers import AutoModelForCausalLM
+
+    from dtlib.train.state import param_digest
+
+    loaded = AutoModelForCausalLM.from_pretrained(runs["export"],
+                                                  local_files_only=True)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert param_digest(loaded)[0] == runs["fsdp_resume"]["param_sha256"]
 
 
 def test_accumulation_equals_the_large_micro_batch_and_bf16_is_close(one):

@@ -24,6 +24,10 @@ MODELS = ("gpt", "hf-llama")
 #: ``--optimizer``: the keys of :data:`dtlib.train.job.OPTIMIZERS`.
 OPTIMIZER_NAMES = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: ``--attention`` (``dtlib.models.gpt.ATTENTION``) and ``--recompute``
+#: (``dtlib.memory.recompute.RECOMPUTE_MODES``); tests check they agree.
+ATTENTION = ("explicit", "sdpa")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,14 @@ class TrainConfig:
         keep every one).
     kill_at_step: a rehearsal of a dead rank: the last rank SIGKILLs itself in the
         middle of this step, in torchrun's first attempt only (0: never).
+    attention: "explicit" (the s x s scores written out; HF: "eager") or "sdpa"
+        (``scaled_dot_product_attention``: no s x s tensor stored; Chapter 12).
+    recompute: "none", "selective" (the attention core; GPT only) or "full" (each
+        block, HF: gradient checkpointing) recomputed in backward (Chapter 12).
+    config: a TOML file whose keys are these flags (``accum-steps = 2``); flags on
+        the command line override it.
+    export_hf: hf-llama only: after training, rank 0 writes the full model here
+        with ``save_pretrained`` (``from_pretrained`` loads it).
     """
 
     strategy: str = "ddp"
@@ -123,12 +135,24 @@ class TrainConfig:
     peak_flops: float = 0.0
     keep_last: int = 0
     kill_at_step: int = 0
+    attention: str = "explicit"
+    recompute: str = "none"
+    config: str | None = None
+    export_hf: str | None = None
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGY_NAMES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("model", self.model, MODELS)
         _choice("optimizer", self.optimizer, OPTIMIZER_NAMES)
+        _choice("attention", self.attention, ATTENTION)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        if self.recompute == "selective" and self.model != "gpt":
+            raise ValueError(f"recompute='selective' is implemented for model='gpt' "
+                             f"only, not model={self.model!r}; allowed: none, full")
+        if self.export_hf is not None and self.model != "hf-llama":
+            raise ValueError(f"export_hf={self.export_hf!r} needs model='hf-llama', "
+                             f"not model={self.model!r}")
         for name in ("model_config", "init_from"):
             if getattr(self, name) is not None and self.model != "hf-llama":
                 raise ValueError(f"{name}={getattr(self, name)!r} needs "
@@ -240,7 +264,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     Taught in: Chapter 10, "The script's structure".
     """
     parser = build_parser()
-    ns = parser.parse_args(None if argv is None else list(argv))
+    argv = None if argv is None else list(argv)
+    ns = parser.parse_args(argv)
+    if ns.config is not None:  # the file's values become defaults; flags override
+        parser.set_defaults(**read_toml(ns.config, parser))
+        ns = parser.parse_args(argv)
     try:
         cfg = TrainConfig(**vars(ns))
         check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -249,6 +277,43 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         flag = f"argument --{name.group(1).replace('_', '-')}: " if name else ""
         parser.error(flag + str(exc))
     return cfg
+
+
+def read_toml(path: str, parser: argparse.ArgumentParser) -> dict[str, object]:
+    """``--config run.toml`` -> ``{field: value}``: keys are the flags' names
+    (``accum-steps`` or ``accum_steps``), values converted as the flag converts them.
+    A file that cannot be read, an unknown key or a bad value stops the program with
+    argparse's one-line error.
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            parser.error("argument --config: reading TOML needs Python >= 3.11 or "
+                         "the tomli package (pip install tomli)")
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        parser.error(f"argument --config: {path}: {exc}")
+    kinds = {a.dest: a.type for a in parser._actions if a.dest != "help"}
+    out: dict[str, object] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in kinds or name == "config":
+            parser.error(f"argument --config: {path}: unknown key {key!r}; allowed: "
+                         "the flags' names, e.g. 'accum-steps'")
+        kind = kinds[name] or str
+        if isinstance(value, (dict, list, bool)) or (kind is int and isinstance(
+                value, float)) or (kind is not str and isinstance(value, str)):
+            parser.error(f"argument --config: {path}: {key} = {value!r} is not "
+                         f"a{'n' if kind is int else ''} {kind.__name__}")
+        out[name] = kind(value)
+    return out
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:

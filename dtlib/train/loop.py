@@ -34,7 +34,7 @@ from dtlib.train.faults import Preemption, kill_rehearsal, retain
 from dtlib.train.job import Job, build_job
 from dtlib.train.metrics import (RunLog, StepClock, evaluate, flops_per_token,
                                  measured_peak_flops, peak_memory)
-from dtlib.train.state import param_digest, resume, save_state
+from dtlib.train.state import export_hf, param_digest, resume, save_state
 
 __all__ = ["TrainConfig", "main", "train"]
 
@@ -126,6 +126,8 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
                            step_fn=job.step_fn, max_grad_norm=cfg.grad_clip
                            if cfg.grad_clip > 0 else math.inf, record_grads=False,
                            record_params=False, on_step=on_step)
+    if cfg.export_hf:
+        export_hf(job, cfg.export_hf)
     result.extra.update(eval_losses=evals, preempted=preempted[0] if preempted
                         else None)
     return _summarise(job, start, result)

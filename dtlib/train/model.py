@@ -23,10 +23,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from dtlib.memory.recompute import apply_recompute
 from dtlib.models.gpt import GPT, GPTConfig, build_gpt
 from dtlib.train.config import TrainConfig
 
-__all__ = ["build_model", "count_params", "logits_of"]
+__all__ = ["build_model", "count_params", "logits_of", "HF_ATTENTION"]
+
+#: ``--attention`` -> transformers' ``attn_implementation``.
+HF_ATTENTION = {"explicit": "eager", "sdpa": "sdpa"}
 
 
 def _hf_config(cfg: TrainConfig) -> Any:
@@ -37,6 +41,7 @@ def _hf_config(cfg: TrainConfig) -> Any:
     config = hf.load_config(source, flag) if source else hf.llama_config(
         vocab_size=cfg.vocab_size, hidden=cfg.hidden, n_layers=cfg.n_layers,
         n_heads=cfg.n_heads, seq_len=cfg.seq_len)
+    config._attn_implementation = HF_ATTENTION[cfg.attention]
     if config.vocab_size < cfg.vocab_size:  # the data's tokens must be in the table
         raise ValueError(f"vocab_size={cfg.vocab_size} exceeds the model's vocabulary "
                          f"({config.vocab_size} in {source}); allowed: <= "
@@ -58,11 +63,12 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
     """
     if cfg.model == "gpt":
         gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                         n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads)
+                         n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
+                         attention=cfg.attention)
         if meta:
             with torch.device("meta"):
                 return GPT(gcfg)
-        return build_gpt(gcfg, seed=cfg.seed)
+        return apply_recompute(build_gpt(gcfg, seed=cfg.seed), cfg.recompute)
     from dtlib.models import hf
 
     config = _hf_config(cfg)
@@ -70,8 +76,15 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
         with torch.device("meta"):
             return hf.build_hf_llama(config)
     if cfg.init_from:
-        return hf.load_pretrained(cfg.init_from)
-    return hf.build_hf_llama(config, seed=cfg.seed)
+        model = hf.load_pretrained(cfg.init_from)
+        model.config._attn_implementation = HF_ATTENTION[cfg.attention]
+    else:
+        model = hf.build_hf_llama(config, seed=cfg.seed)
+    if cfg.recompute == "full":  # the decoder layers' own activation checkpointing
+        enable = getattr(model, "activation_checkpointing_enable", None) \
+            or model.gradient_checkpointing_enable  # its name before transformers 5.x
+        enable({"use_reentrant": False})
+    return model
 
 
 def count_params(cfg: TrainConfig) -> int:

@@ -25,18 +25,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                     get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
 
 from dtlib.checkpoint.safe_dcp import (CheckpointDamaged, safe_dcp_load,
                                        verify_manifest, write_manifest)
 from dtlib.checkpoint.state import (atomic_save, clean_leftovers, list_checkpoints,
                                     load_latest_good, rng_state, save_checkpoint,
                                     set_rng_state)
-from dtlib.models.run import full_tensor
+from dtlib.models.run import full_tensor, unwrap
 from dtlib.runtime.dist import rprint
 from dtlib.train.job import Job
 
-__all__ = ["save_state", "resume", "param_digest", "dcp_dirs"]
+__all__ = ["save_state", "resume", "param_digest", "dcp_dirs", "export_hf"]
 
 
 def dcp_dirs(ckpt_dir: str) -> list[str]:
@@ -170,3 +172,26 @@ def param_digest(model: nn.Module) -> tuple[str, float]:
         h.update(full.numpy().tobytes())
         sq += float(full.double().pow(2).sum())
     return h.hexdigest()[:16], math.sqrt(sq)
+
+
+def export_hf(job: Job, path: str) -> None:
+    """``save_pretrained`` of the whole trained Hugging Face model into ``path``.
+
+    Every rank calls it: the full state dict is gathered (FSDP2's shards, or DDP's
+    replica) to CPU memory on rank 0, which loads it into a plain copy of the model
+    and writes ``config.json`` and ``model.safetensors``; ``from_pretrained(path)``
+    then loads it with no dtlib code.
+
+    Taught in: Chapter 10, "A Hugging Face model".
+    """
+    full = get_model_state_dict(job.model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))  # a collective under FSDP2
+    if dist.get_rank() == 0:
+        from dtlib.models import hf
+
+        config = unwrap(job.model).config
+        plain = hf.build_hf_llama(config)
+        plain.load_state_dict(full)
+        plain.save_pretrained(path)
+        rprint(f"exported the model to {path} (save_pretrained)")
+    dist.barrier()
