@@ -321,6 +321,13 @@ def test_fsdp_crash_and_resume_is_bit_exact(two):
     assert resumed["param_sha256"] == two["fsdp"]["param_sha256"]
     assert resumed["losses"] == {k: v for k, v in two["fsdp"]["losses"].items()
                                  if int(k) > 6}
+    # Rank 0 hashed only what it reads: the metadata, its own RNG file, shards that
+    # hold its pieces; never rank 1's file, not the whole checkpoint.
+    saved = json.load(open(os.path.join(two["fsdp_ckpt"], "step00000006",
+                                        "manifest.json")))["files"]
+    mine = set(resumed["verified_files"])
+    assert {".metadata", "rank0.pt"} <= mine < set(saved) and "rank1.pt" not in mine
+    assert any(name.endswith(".distcp") for name in mine), mine
     # Same parameters at step 1, whatever the wrapper: one step of the same sums
     # (AdamW has not yet acted: a one-step loss check).
     torch.testing.assert_close(two["fsdp"]["losses"]["1"], two["ddp"]["losses"]["1"],

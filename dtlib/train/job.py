@@ -13,7 +13,7 @@ Taught in: Chapter 10, "The script's structure".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -146,6 +146,8 @@ class Job:
     batch_fn, step_fn: ``run_steps``'s per-step local batch (``accum_steps``
         micro-batches) and the accumulating step (Chapter 8).
     n_params, states: the parameter count and the model-state bytes per device.
+    verified: the files of the resumed sharded checkpoint this rank hashed (the
+        ones it reads).
     """
 
     cfg: TrainConfig
@@ -163,6 +165,7 @@ class Job:
     step_fn: Callable[..., torch.Tensor]
     n_params: int
     states: ModelStates
+    verified: set[str] = field(default_factory=set)
 
     @property
     def global_tokens(self) -> int:

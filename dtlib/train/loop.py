@@ -189,6 +189,7 @@ def _summarise(job: Job, start: int, result: RunResult) -> dict[str, Any]:
                "loss_scale": job.scaler.get_scale() if job.scaler else None,
                "eval_losses": result.extra["eval_losses"],
                "preempted": result.extra["preempted"],
+               "verified_files": sorted(job.verified),
                "config": asdict(cfg)}
     ddist.rprint(f"done: steps {start}->{step}, final loss {loss:.4f}, "
                  f"params {digest} (norm {norm:.6f})")

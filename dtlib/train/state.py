@@ -14,6 +14,7 @@ Taught in: Chapter 10, "Crash and resume" (the formats: Chapter 9).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -29,8 +30,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 
-from dtlib.checkpoint.safe_dcp import (CheckpointDamaged, safe_dcp_load,
-                                       verify_manifest, write_manifest)
+from dtlib.checkpoint.safe_dcp import (MANIFEST, SafeFileSystemReader,
+                                       SafeLoadPlanner, write_manifest)
+from dtlib.checkpoint.safe_dcp import _sha256  # the manifest's own file hash
 from dtlib.checkpoint.state import (atomic_save, clean_leftovers, list_checkpoints,
                                     load_latest_good, rng_state, save_checkpoint,
                                     set_rng_state)
@@ -48,14 +50,71 @@ def dcp_dirs(ckpt_dir: str) -> list[str]:
     return [os.path.join(ckpt_dir, n) for n in sorted(names, reverse=True)]
 
 
-def _newest_good_dcp(ckpt_dir: str) -> tuple[str, dict[str, Any]] | None:
-    """The newest sharded checkpoint whose files match its manifest, and the
-    manifest; damaged ones are skipped with a warning."""
-    for path in dcp_dirs(ckpt_dir):
-        try:
-            return path, verify_manifest(path)
-        except CheckpointDamaged as exc:
-            warnings.warn(f"{exc}; falling back to the one before", stacklevel=2)
+def files_to_read(path: str, state: dict[str, Any]) -> set[str]:
+    """The files of the DCP checkpoint ``path`` that loading ``state`` on this rank
+    reads: DCP's own local read plan (the saved chunks that overlap this rank's
+    shards) mapped to the files that hold them, plus the metadata.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    metadata = SafeFileSystemReader(path).read_metadata()
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(state, metadata, False)
+    return {".metadata"} | {metadata.storage_data[item.storage_index].relative_path
+                            for item in planner.create_local_plan().items}
+
+
+def _check_mine(path: str, state: dict[str, Any], cfg: Any) -> tuple[set[str], str]:
+    """(the files this rank hashed, "" or what is wrong with ``path``); another
+    world size or tp raises (every rank reads the same manifest)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        recorded = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return set(), f"no readable {MANIFEST} ({exc})"
+    _check_world(path, manifest, cfg)
+    present = sorted(os.path.relpath(os.path.join(root, n), path)
+                     for root, _, names in os.walk(path) for n in names)
+    if sorted([*recorded, MANIFEST]) != present:  # listing only: no file is read
+        return set(), "its files differ from the manifest's list"
+    try:
+        mine = files_to_read(path, state) | {f"rank{dist.get_rank()}.pt"}
+    except Exception as exc:  # a damaged .metadata
+        return set(), f".metadata unreadable ({type(exc).__name__})"
+    for rel in sorted(mine):
+        if rel not in recorded or _sha256(os.path.join(path, rel)) != recorded[rel]:
+            return mine, f"{rel} changed since it was saved (SHA-256 differs)"
+    return mine, ""
+
+
+def _check_world(path: str, manifest: dict[str, Any], cfg: Any) -> None:
+    ws = dist.get_world_size()
+    if manifest["world_size"] != ws:  # per-rank RNG files would not fit
+        raise ValueError(f"{path} was saved by {manifest['world_size']} ranks; this "
+                         f"job has {ws}. Resume with {manifest['world_size']} ranks "
+                         "(the RNG states are per rank)")
+    if manifest.get("tp", 1) != cfg.tp:  # the same ranks, cut into another mesh
+        raise ValueError(f"{path} was saved with tp={manifest.get('tp', 1)}; this "
+                         f"job has tp={cfg.tp}. Resume with --tp "
+                         f"{manifest.get('tp', 1)} (each rank's RNG file belongs "
+                         "to its mesh coordinate)")
+
+
+def _newest_good_dcp(job: Job, state: dict[str, Any]) -> tuple[str, set[str]] | None:
+    """The newest sharded checkpoint that every rank finds whole, and the files this
+    rank verified. Each rank hashes only the files it will read; the ranks agree
+    (one all-reduce per candidate), so one rank's damaged shard makes every rank
+    fall back to the one before, with a warning."""
+    for path in dcp_dirs(job.cfg.ckpt_dir):
+        mine, problem = _check_mine(path, state, job.cfg)
+        bad = torch.tensor([int(bool(problem))], device=job.world.device)
+        dist.all_reduce(bad)
+        if not int(bad.item()):
+            return path, mine
+        where = f"rank {dist.get_rank()}: {problem}" if problem else "another rank"
+        warnings.warn(f"{path} is damaged ({where}); falling back to the one before",
+                      stacklevel=2)
     return None
 
 
@@ -119,23 +178,20 @@ def resume(job: Job) -> int:
             return _fresh(cfg.ckpt_dir)
         rprint(f"resumed from {got['path']} (step {got['step']})")
         return got["step"]
-    found = _newest_good_dcp(cfg.ckpt_dir)
-    if found is None:
+    if not dcp_dirs(cfg.ckpt_dir):
         return _fresh(cfg.ckpt_dir)
-    path, manifest = found
-    ws = dist.get_world_size()
-    if manifest["world_size"] != ws:  # per-rank sampler and RNG files would not fit
-        raise ValueError(f"{path} was saved by {manifest['world_size']} ranks; this "
-                         f"job has {ws}. Resume with {manifest['world_size']} ranks "
-                         "(the sampler and RNG states are per rank)")
-    if manifest.get("tp", 1) != cfg.tp:  # the same ranks, cut into another mesh
-        raise ValueError(f"{path} was saved with tp={manifest.get('tp', 1)}; this "
-                         f"job has tp={cfg.tp}. Resume with --tp "
-                         f"{manifest.get('tp', 1)} (each rank's sampler file belongs "
-                         "to its dp coordinate)")
-    msd, osd = get_state_dict(model, opt)  # initialises the optimizer's state
+    # get_state_dict initialises the optimizer's state (a step at lr 0): the read
+    # plan, hence the files this rank verifies, needs its tensors
+    msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    safe_dcp_load(state, path)  # no pickle of the directory is run
+    found = _newest_good_dcp(job, state)
+    if found is None:
+        opt.state.clear()  # a fresh start: AdamW's step count starts from 0 again
+        return _fresh(cfg.ckpt_dir)
+    path, job.verified = found
+    # verified above, file by file; no pickle of the directory is run
+    dcp.load(state, storage_reader=SafeFileSystemReader(path),
+             planner=SafeLoadPlanner())
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     mine = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"),
