@@ -231,3 +231,22 @@ def test_readme_run_logs_what_a_practitioner_reads(readme_run):
     # The data position is global: after 40 steps of 8 samples, 320 on every rank.
     ckpt = torch.load(checkpoint_path(cwd / "run", 40), weights_only=False)
     assert [r["sampler"]["consumed"] for r in ckpt["per_rank"]] == [320, 320]
+
+
+def test_mfu_counts_the_planners_matmuls_plus_six_flops_per_other_parameter():
+    """6 N + 12 l s h per token is Chapter 11's matmul count (Narayanan et al.,
+    recompute "none") plus 6 FLOPs for each parameter outside a matmul (GPT's
+    13 l h biases and norms, s h learned positions): an exact integer identity,
+    checked at GPT-2 small's shape."""
+    from dtlib.memory.formulas import transformer_params
+    from dtlib.planner.counts import flops_per_iteration
+    from dtlib.planner.specs import ModelSpec
+    from dtlib.train.metrics import flops_per_token, measured_peak_flops
+
+    l, h, a, v, s, batch = 12, 768, 12, 50304, 1024, 8
+    n = transformer_params(l, h, v, s)
+    planner = flops_per_iteration(ModelSpec(l, h, a, v, s), batch, "none")
+    tokens = batch * s
+    assert flops_per_token(n, l, s, h) * tokens - planner == 6 * tokens * (
+        13 * l * h + s * h)
+    assert measured_peak_flops(torch.device("cpu"), n=64, reps=2) > 0

@@ -3,10 +3,18 @@
 - :mod:`~dtlib.train.config`: the command line as a typed, validated configuration.
 - :mod:`~dtlib.train.strategies`: the table from strategy name to the technique's
   Parallelism factory (DDP, FSDP2, FSDP x TP).
-- :mod:`~dtlib.train.data`: the synthetic corpus and each rank's next micro-batches.
+- :mod:`~dtlib.train.data`: the samples (synthetic, or windows of a token file), the
+  job's sample order (samples consumed) and each rank's next micro-batches;
+  ``python -m dtlib.train.data prepare`` writes token files
+  (:mod:`~dtlib.train.tokens`).
 - :mod:`~dtlib.train.model`: the book's GPT or a Hugging Face Llama.
 - :mod:`~dtlib.train.job`: everything a run is made of, built from the configuration.
-- :mod:`~dtlib.train.state`: saving and resuming the whole training state.
+- :mod:`~dtlib.train.state`: saving and resuming the whole training state, and
+  ``--export-hf``.
+- :mod:`~dtlib.train.metrics`: what the log says (step time, tokens/s, MFU, peak
+  memory, held-out loss) and the JSON-lines log.
+- :mod:`~dtlib.train.faults`: preemption signals, a dead rank's rehearsal,
+  ``--keep-last``.
 - :mod:`~dtlib.train.loop`: ``main``: build, resume, and the one loop (``run_steps``).
 
 Nothing is imported here, so ``python -m dtlib.train`` loads each module once.

@@ -8,8 +8,9 @@ Read top to bottom it is the book in order: join the world (Chapter 0), build th
 strategy's technique from a table, DDP or FSDP2, Chapters 3-4, FSDP x TP, Chapter 11;
 bf16, Chapter 7; accumulation, Chapter 8; this rank's data, Chapter 3), resume it
 (Chapter 9), and train it with the one loop every chapter uses,
-:func:`dtlib.models.run.run_steps`; logging, saving and the simulated crash ride on
-its ``on_step``. The same code runs on CPU with gloo and on GPUs with NCCL: only
+:func:`dtlib.models.run.run_steps`; logging (:mod:`dtlib.train.metrics`), saving,
+evaluation, the simulated crash and a preemption signal (:mod:`dtlib.train.faults`)
+ride on its ``on_step``. The same code runs on CPU with gloo and on GPUs with NCCL: only
 :mod:`dtlib.runtime.dist` knows which.
 
 Taught in: Chapter 10, "One training script".
@@ -63,7 +64,9 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
         The summary (every rank): ``start_step``, ``end_step``, ``final_loss``,
         ``losses`` (str(step) -> global mean loss, as JSON keeps it),
         ``param_sha256``, ``param_norm``, ``world_size``, ``loss_scale``,
-        ``config``; rank 0 also writes it to ``cfg.summary_json``.
+        ``eval_losses`` (str(step) -> held-out loss), ``preempted`` (the signal's
+        name or None), ``verified_files`` (of a resumed sharded checkpoint, this
+        rank's), ``config``; rank 0 also writes it to ``cfg.summary_json``.
 
     Taught in: Chapter 10, "One training script".
     """

@@ -31,8 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_state_dict, set_state_dict)
 
 from dtlib.checkpoint.safe_dcp import (MANIFEST, SafeFileSystemReader,
-                                       SafeLoadPlanner, write_manifest)
-from dtlib.checkpoint.safe_dcp import _sha256  # the manifest's own file hash
+                                       SafeLoadPlanner, file_sha256, write_manifest)
 from dtlib.checkpoint.state import (atomic_save, clean_leftovers, list_checkpoints,
                                     load_latest_good, rng_state, save_checkpoint,
                                     set_rng_state)
@@ -83,7 +82,8 @@ def _check_mine(path: str, state: dict[str, Any], cfg: Any) -> tuple[set[str], s
     except Exception as exc:  # a damaged .metadata
         return set(), f".metadata unreadable ({type(exc).__name__})"
     for rel in sorted(mine):
-        if rel not in recorded or _sha256(os.path.join(path, rel)) != recorded[rel]:
+        digest = recorded.get(rel)  # None: not in the manifest, not read at all
+        if digest is None or digest != file_sha256(os.path.join(path, rel)):
             return mine, f"{rel} changed since it was saved (SHA-256 differs)"
     return mine, ""
 
