@@ -2,8 +2,9 @@
 
 On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
 
-- chapters 0, 2, 3, 4, 6 and the capstone, each compared with one process (or, for
-  chapter 2's primitives, with the same ranks on gloo), as the CPU tests do;
+- chapters 0, 2, 3, 4, 6 and the capstone (on a token file, ``--attention sdpa``),
+  each compared with one process (or, for chapter 2's primitives, with the same
+  ranks on gloo), as the CPU tests do;
 - ``collectives``: bus bandwidth of ``all_reduce`` (nccl-tests' busbw = algbw x
   2(n-1)/n) and the from-scratch ring's share of it;
 - ``matmul``: bf16, fp16 and tf32 TFLOP/s at 4096-16384 as a share of the device's
@@ -178,18 +179,23 @@ def check_ch6(n: int, timeout: float) -> tuple[bool, str]:
 
 def check_capstone(n: int, timeout: float) -> tuple[bool, str]:
     from dtlib.train import loop
+    from dtlib.train.data import main as prepare
 
-    base = ["--steps", "6", "--micro-batch", "2", "--dataset-size", "256",
-            "--log-every", "6"]
     with tempfile.TemporaryDirectory() as tmp:
+        # a token file of dtlib's own source (bytes: nothing to download)
+        prepare(["prepare", os.path.join(os.path.dirname(loop.__file__), "*.py"),
+                 "--tokenizer", "bytes", "--out", os.path.join(tmp, "tokens")])
+        base = ["--steps", "6", "--micro-batch", "2", "--log-every", "6",
+                "--data", os.path.join(tmp, "tokens"), "--vocab-size", "256",
+                "--attention", "sdpa"]
         out = os.path.join(tmp, "summary.json")
         launch.torchrun("dtlib.train", *base, "--summary-json", out, module=True,
                         nproc=n, timeout=timeout, stream=False)
         with open(out) as f:
             many = float(json.load(f)["final_loss"])
-    # The same global batch on one GPU, in this process (a world of one): the script's
-    # own entry point, without a second torchrun start-up.
-    one = loop.main([*base, "--accum-steps", str(n)])
+        # The same global batch on one GPU, in this process (a world of one): the
+        # script's own entry point, without a second torchrun start-up.
+        one = loop.main([*base, "--accum-steps", str(n)])
     ok = abs(many - one) <= 1e-4 * max(1.0, abs(one))
     return ok, (f"final loss {n} ranks {many:.6f} vs 1 rank x {n} micro-batches "
                 f"{one:.6f}")
