@@ -8,6 +8,13 @@ a ``<script type="application/json">`` block, and a small script that only looks
 numbers up and shows them. No Python runs in the browser, no formula is rewritten in
 JavaScript, and the reader's page starts with no download.
 
+Why a grid and not Python in the page: an interpreter that runs from plain script
+files (Brython) would run the planner's own modules, but it adds about 1.5 MB of
+interpreter and more of its standard library (``dataclasses`` pulls in ``inspect``,
+``typing``, ``re``) to every page that has a calculator, and compiles them at each
+page load; the grid adds tens of kB, starts in milliseconds, and holds dtlib's exact
+result for every value a control offers (the controls offer only those values).
+
 Before the script runs (or without JavaScript) the calculator shows a note instead:
 the static table above it is the built result, and ``make lab`` gives the live
 ipywidgets version in JupyterLab.
