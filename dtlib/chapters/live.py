@@ -29,7 +29,7 @@ import json
 import re
 from typing import Any, Sequence
 
-__all__ = ["LiveCalculator", "coded_table", "select"]
+__all__ = ["LiveCalculator", "coded_entry", "coded_table", "select"]
 
 # Two characters of this alphabet code one entry of a table's list of distinct values.
 ALPHABET = ("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-_")

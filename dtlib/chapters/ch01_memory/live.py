@@ -13,10 +13,10 @@ Taught in: Chapter 1, the planner.
 
 from __future__ import annotations
 
-from itertools import product
+import json
 from typing import Any
 
-from dtlib.chapters.ch01_memory.figures import PRESETS, preset_config
+from dtlib.chapters.ch01_memory.figures import preset_config
 from dtlib.chapters.live import LiveCalculator, coded_table, select
 from dtlib.memory.formulas import ATTENTION, OPTIMIZERS, PRECISIONS, RECOMPUTE, estimate
 
@@ -136,8 +136,6 @@ def memory_calculator() -> LiveCalculator:
 
     Taught in: Chapter 1, the planner.
     """
-    import json
-
     controls = "".join(select(k, _LABELS[k], v, DEFAULTS[k])
                        for k, v in CONTROLS.items())
     rows = "".join(f'<tr><td><span class="dtlib-swatch" style="background:{c}">'
