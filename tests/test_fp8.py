@@ -302,8 +302,7 @@ def test_fsdp_fp8_allgather_bytes_counted_from_the_model():
     h = cfg.hidden
     # Swapped weights per block: qkv 3h x h, proj h x h, fc 4h x h, fc_proj h x 4h.
     assert out["fp8_params"] == 12 * h * h * cfg.n_layers
-    with torch.device("meta"):  # shapes only
-        assert out["params"] == sum(p.numel() for p in build_gpt(cfg).parameters())
+    assert out["params"] == sum(p.numel() for p in build_gpt(cfg).parameters())
     share = 7 / 8  # a rank receives the other 7 shards
     assert out["bf16_bytes"] == share * 2 * out["params"]
     assert out["fp8_bytes"] == share * (2 * out["params"] - out["fp8_params"])
@@ -351,3 +350,41 @@ def test_fp8_training_runs_every_recipe_through_the_loop():
     assert all(abs(v[0] - base) < 0.1 for v in out["losses"].values())
     with pytest.raises(ValueError, match="steps"):
         fp8_training(steps=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_float8_linear_on_cuda_matches_the_dequantized_path(scaling):
+    from dtlib.runtime.dist import world
+
+    device = world().device
+    if device.type != "cuda":
+        pytest.skip("the world's device is not CUDA")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 32, generator=gen).to(device)  # dims divisible by 16
+    w = (torch.randn(48, 32, generator=gen) * 0.1).to(device)
+    outs = {}
+    for path in ("auto", "dequantized"):
+        lin = fp8.Float8Linear(32, 48, bias=False, scaling=scaling, path=path,
+                               device=device)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        xi = x.clone().requires_grad_()
+        y = lin(xi)
+        y.sum().backward()
+        outs[path] = (y.detach(), xi.grad, lin.weight.grad, lin.recipe.paths)
+    assert outs["auto"][3].total() == 3
+    if torch.cuda.get_device_capability(device) >= (8, 9) and scaling == "tensor":
+        assert outs["auto"][3]["scaled_mm"] >= 1  # E4M3 x E4M3 runs on FP8 units
+    # Same fp8 operands and scales in both paths; the products are exact in fp32,
+    # each path's sum over K rounds at most K times (K 2**-24 of the sum of
+    # |products|, which an operand's fp8 rounding makes at most (1 + 2**-3)**2 times
+    # the sum of |exact products|; + 2 for the dequantised path's q / s), then each
+    # rounds to bf16 (2**-8 relative): the two differ by at most twice both.
+    ones = torch.ones(64, 48, device=device)
+    sums = (x.abs() @ w.abs().t(), ones @ w.abs(), ones.t() @ x.abs())
+    for got, ref, mag, k in zip(outs["auto"][:3], outs["dequantized"][:3], sums,
+                                (32, 48, 64)):
+        tol = (2 * 2.0 ** -8 * ref.abs().float()
+               + 2 * (k + 2) * 2.0 ** -24 * 1.27 * mag)
+        assert ((got.float() - ref.float()).abs() <= tol * (1 + 2.0 ** -7)).all()

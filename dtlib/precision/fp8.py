@@ -35,7 +35,8 @@ from dtlib.precision.formats import format_info
 
 __all__ = ["FP8_FORMATS", "SCALINGS", "MATMUL_PATHS", "fp8_dtype", "fp8_max",
            "amax", "choose_scale", "quantize", "dequantize", "AmaxHistory",
-           "scaled_mm", "scaled_mm_support", "fp8_matmul", "Float8Linear",
+           "scaled_mm", "scaled_mm_support", "fp8_matmul", "Float8LinearFunction",
+           "Float8Linear",
            "swap_linears", "keep_head"]
 
 #: The two formats, as chapter 7's format table names them.
@@ -256,7 +257,7 @@ class _Recipe:
         return out
 
 
-class _Fp8Linear(torch.autograd.Function):
+class Float8LinearFunction(torch.autograd.Function):
     """forward: ``x @ w.T`` with x, w in E4M3; backward: the output gradient in E5M2,
     ``grad_x = g @ w`` and ``grad_w = g.T @ x`` (w, x in E4M3 again)."""
 
@@ -328,7 +329,8 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Fp8Linear.apply(x.reshape(-1, x.size(-1)), self.weight, self.recipe)
+        y = Float8LinearFunction.apply(x.reshape(-1, x.size(-1)), self.weight,
+                                       self.recipe)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
@@ -340,7 +342,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scaling: str = "tensor",
                path: str = "auto") -> torch.Tensor:
     """``x @ w.T`` through Float8Linear's autograd function (no module, no bias):
     what the tests compare against ``nn.functional.linear``."""
-    return _Fp8Linear.apply(x, w, _Recipe(scaling, 16, path))
+    return Float8LinearFunction.apply(x, w, _Recipe(scaling, 16, path))
 
 
 def keep_head(name: str, module: nn.Linear) -> bool:

@@ -21,8 +21,9 @@ from dtlib.models.run import Parallelism, run_steps
 from dtlib.models.sizes import size
 from dtlib.precision.fp8 import Float8Linear, swap_linears
 
-__all__ = ["RECIPES", "H100", "fp8_training", "linear_roofline", "step_speedup",
-           "fsdp_allgather_bytes"]
+__all__ = ["RECIPES", "H100", "LLAMA3_8B_LINEARS", "TORCHAO_LLAMA3_8B",
+           "fp8_training", "linear_roofline", "step_speedup", "implied_gemm_share",
+           "model_roofline", "fsdp_allgather_bytes"]
 
 #: The four runs: label -> Float8Linear scaling (None: bf16 autocast, no FP8).
 RECIPES: dict[str, str | None] = {"bf16": None, "fp8 per-tensor": "tensor",
@@ -32,8 +33,20 @@ RECIPES: dict[str, str | None] = {"bf16": None, "fp8 per-tensor": "tensor",
 #: and HBM3 bandwidth in bytes/s.
 H100 = {"bf16_flops": 989.4e12, "fp8_flops": 1978.9e12, "hbm_bytes": 3.35e12}
 
+#: One Llama 3 8B block's Linear layers {cite:p}`dubey2024llama` as (d_in, d_out):
+#: hidden 4096, 32 query and 8 key/value heads of 128 (qkv: 4096 + 2 x 1024), FFN
+#: 14336 (SwiGLU: gate and up, then down).
+LLAMA3_8B_LINEARS = {"wqkv": (4096, 6144), "wo": (4096, 4096),
+                     "w1": (4096, 14336), "w3": (4096, 14336), "w2": (14336, 4096)}
 
-def fp8_training(steps: int = 200, *, cfg: GPTConfig | None = None, batch: int = 4,
+#: torchao's published torchtitan run {cite:p}`torchaotraining`: Llama 3 8B on 8 H100,
+#: batch 1 x 8192 tokens per GPU, torch.compile, FSDP2: median tokens/s per GPU.
+TORCHAO_LLAMA3_8B = {"tokens_per_gpu": 8192, "bf16": 6150.0,
+                     "tensorwise, fp8 all-gather": 7689.5,
+                     "rowwise, bf16 all-gather": 6768.0}
+
+
+def fp8_training(steps: int = 150, *, cfg: GPTConfig | None = None, batch: int = 4,
                  lr: float = 3e-3, history: int = 16,
                  device: torch.device | str = "cpu", seed: int = 0
                  ) -> dict[str, Any]:
@@ -46,7 +59,8 @@ def fp8_training(steps: int = 200, *, cfg: GPTConfig | None = None, batch: int =
 
     Returns:
         ``{"losses": {label: [loss per step]}, "paths": {label: Counter of the GEMM
-        paths that ran}, "seconds": {label: wall time}, "swapped": [layer names]}``.
+        paths that ran}, "seconds": {label: CPU seconds of this process},
+        "swapped": [layer names], "tokens": tokens per step}``.
 
     Taught in: Chapter 7, "FP8".
     """
@@ -56,17 +70,18 @@ def fp8_training(steps: int = 200, *, cfg: GPTConfig | None = None, batch: int =
     cfg = cfg or size("tiny")
     batches = [token_batch(cfg, batch, seed=seed + 1 + i, device=device)
                for i in range(4)]
-    out: dict[str, Any] = {"losses": {}, "paths": {}, "seconds": {}}
+    out: dict[str, Any] = {"losses": {}, "paths": {}, "seconds": {},
+                           "tokens": batch * cfg.seq_len}
     for label, scaling in RECIPES.items():
         model = build_gpt(cfg, seed).to(device)
         if scaling is not None:
             out["swapped"] = swap_linears(model, scaling=scaling, history=history)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         res = run_steps(Parallelism(), model, lambda i: batches[i % len(batches)],
                         steps, optimizer_kwargs={"lr": lr, "foreach": True},
                         autocast_dtype=torch.bfloat16 if scaling is None else None,
                         record_grads=False, record_params=False)
-        out["seconds"][label] = time.perf_counter() - t0
+        out["seconds"][label] = time.process_time() - t0
         out["losses"][label] = res.losses
         out["paths"][label] = sum((m.recipe.paths for m in model.modules()
                                    if isinstance(m, Float8Linear)), Counter())
@@ -123,6 +138,35 @@ def step_speedup(gemm_share: float, linear_speedup: float) -> float:
     return 1.0 / ((1.0 - gemm_share) + gemm_share / linear_speedup)
 
 
+def implied_gemm_share(step: float, linear: float) -> float:
+    """The share of a bf16 step's time in the FP8 GEMMs that Amdahl's law needs to
+    turn a per-layer speedup ``linear`` into a measured step speedup ``step``
+    (:func:`step_speedup` solved for its first argument).
+
+    Taught in: Chapter 7, "FP8".
+    """
+    if not linear > 1.0:
+        raise ValueError(f"linear={linear!r} must be > 1 (no speedup to share)")
+    if not 1.0 <= step <= linear:
+        raise ValueError(f"step={step!r} must be in [1, linear={linear}]")
+    return (1.0 - 1.0 / step) / (1.0 - 1.0 / linear)
+
+
+def model_roofline(linears: dict[str, tuple[int, int]], tokens: int,
+                   hw: dict[str, float] | None = None) -> dict[str, Any]:
+    """:func:`linear_roofline` of each layer of a block, and of all of them together
+    (their times summed): ``{"layers": {name: row}, "speedup", "cast_share"}``.
+
+    Taught in: Chapter 7, "FP8".
+    """
+    rows = {name: linear_roofline(tokens, d_in, d_out, hw)
+            for name, (d_in, d_out) in linears.items()}
+    bf16 = sum(r["bf16_s"] for r in rows.values())
+    fp8 = sum(r["fp8_s"] for r in rows.values())
+    cast = sum(r["cast_s"] for r in rows.values())
+    return {"layers": rows, "speedup": bf16 / fp8, "cast_share": cast / fp8}
+
+
 def fsdp_allgather_bytes(cfg: GPTConfig, world_size: int) -> dict[str, float]:
     """Bytes one rank receives per all-gather of the whole model under FSDP2, with
     bf16 parameters, and with the Float8Linear weights gathered in fp8 (torchao's
@@ -143,8 +187,7 @@ def fsdp_allgather_bytes(cfg: GPTConfig, world_size: int) -> dict[str, float]:
     if isinstance(world_size, bool) or not isinstance(world_size, int) \
             or world_size < 2:
         raise ValueError(f"world_size={world_size!r} must be an integer >= 2")
-    with torch.device("meta"):
-        model = build_gpt(cfg)
+    model = build_gpt(cfg)  # a CPU copy: a meta build would import the compiler
     swapped = swap_linears(model)
     fp8_weights = [model.get_submodule(name).weight for name in swapped]
     params = sum(p.numel() for p in model.parameters())
