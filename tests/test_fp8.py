@@ -189,6 +189,27 @@ def test_scaled_mm_equals_dequantized_fp32_matmul(scaling, out_dtype):
     assert ((ref.double() - ad @ bd).abs() <= _gemm_bound(ad, bd, out_dtype)).all()
 
 
+def test_auto_path_falls_back_where_scaled_mm_refuses(monkeypatch):
+    def refuse(*args, **kwargs):  # as a GPU refuses E5M2 x E5M2, or an old torch
+        raise RuntimeError("Multiplication of two Float8_e5m2 matrices is not "
+                           "supported")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse, raising=False)
+    gen = torch.Generator().manual_seed(7)
+    lin = fp8.Float8Linear(8, 4, scaling="tensor")
+    x = torch.randn(3, 8, generator=gen, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin.recipe.paths == {"dequantized": 3}  # all three GEMMs fell back
+    one = torch.tensor(1.0)
+    q = fp8.quantize(torch.ones(2, 2), "fp8_e4m3", one)
+    with pytest.raises(RuntimeError, match="not supported"):
+        fp8.scaled_mm(q, q, one, one, path="scaled_mm")  # forced: the error shows
+    monkeypatch.delattr(torch, "_scaled_mm")
+    with pytest.raises(ValueError, match="no torch._scaled_mm"):
+        fp8.scaled_mm(q, q, one, one, path="scaled_mm")
+    assert fp8.scaled_mm(q, q, one, one)[1] == "dequantized"
+
+
 def _linear_bound(x, ex, w, ew):
     """|fp8 x @ w.T - x @ w.T| allowed (fp64), from elementwise operand errors ex, ew:
     |xq wq - x w| <= ex |w| + |x| ew + ex ew per product, then the GEMM's own

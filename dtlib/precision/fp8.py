@@ -35,7 +35,7 @@ from dtlib.precision.formats import format_info
 
 __all__ = ["FP8_FORMATS", "SCALINGS", "MATMUL_PATHS", "fp8_dtype", "fp8_max",
            "amax", "choose_scale", "quantize", "dequantize", "AmaxHistory",
-           "scaled_mm", "scaled_mm_support", "fp8_matmul", "Float8LinearFunction",
+           "scaled_mm", "scaled_mm_support", "Float8LinearFunction",
            "Float8Linear",
            "swap_linears", "keep_head"]
 
@@ -336,13 +336,6 @@ class Float8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scaling={self.recipe.scaling}"
-
-
-def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scaling: str = "tensor",
-               path: str = "auto") -> torch.Tensor:
-    """``x @ w.T`` through Float8Linear's autograd function (no module, no bias):
-    what the tests compare against ``nn.functional.linear``."""
-    return Float8LinearFunction.apply(x, w, _Recipe(scaling, 16, path))
 
 
 def keep_head(name: str, module: nn.Linear) -> bool:
