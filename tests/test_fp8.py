@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from dtlib.models.gpt import build_gpt, token_batch
 from dtlib.models.sizes import size
+from dtlib.precision import float8_linear as f8l
 from dtlib.precision import fp8
 from dtlib.precision.formats import format_info
 
@@ -196,7 +197,7 @@ def test_auto_path_falls_back_where_scaled_mm_refuses(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", refuse, raising=False)
     gen = torch.Generator().manual_seed(7)
-    lin = fp8.Float8Linear(8, 4, scaling="tensor")
+    lin = f8l.Float8Linear(8, 4, scaling="tensor")
     x = torch.randn(3, 8, generator=gen, requires_grad=True)
     lin(x).sum().backward()
     assert lin.recipe.paths == {"dequantized": 3}  # all three GEMMs fell back
@@ -226,7 +227,7 @@ def test_float8_linear_matches_linear_within_format_bounds(scaling):
     with torch.no_grad():
         lin.weight.copy_(torch.randn(48, 32, generator=gen) * 0.1)
         lin.bias.copy_(torch.randn(48, generator=gen))
-    f8 = fp8.Float8Linear(32, 48, scaling=scaling)
+    f8 = f8l.Float8Linear(32, 48, scaling=scaling)
     with torch.no_grad():
         f8.weight.copy_(lin.weight)
         f8.bias.copy_(lin.bias)
@@ -274,7 +275,7 @@ def test_delayed_first_step_is_current_scaling_then_uses_history():
     x = torch.randn(4, 8, generator=gen)
     outs = {}
     for scaling in ("tensor", "delayed"):
-        lin = fp8.Float8Linear(8, 16, bias=False, scaling=scaling, history=2)
+        lin = f8l.Float8Linear(8, 16, bias=False, scaling=scaling, history=2)
         with torch.no_grad():
             lin.weight.copy_(w)
         outs[scaling] = [lin(x * k).detach() for k in (1.0, 100.0)]
@@ -289,24 +290,24 @@ def test_delayed_first_step_is_current_scaling_then_uses_history():
 def test_swap_linears_keeps_the_head_and_ties():
     model = build_gpt(size("tiny"))
     n_params = sum(p.numel() for p in model.parameters())
-    swapped = fp8.swap_linears(model, scaling="row")
+    swapped = f8l.swap_linears(model, scaling="row")
     assert "head" not in swapped and len(swapped) == 4 * size("tiny").n_layers
     assert type(model.head) is nn.Linear
     assert model.head.weight is model.tok_emb.weight  # still tied
-    assert all(isinstance(model.get_submodule(n), fp8.Float8Linear) for n in swapped)
+    assert all(isinstance(model.get_submodule(n), f8l.Float8Linear) for n in swapped)
     assert sum(p.numel() for p in model.parameters()) == n_params
     _, loss = model(*token_batch(size("tiny"), 2))
     loss.backward()
     assert torch.isfinite(loss) and model.blocks[0].fc.weight.grad is not None
-    everything = fp8.swap_linears(build_gpt(size("tiny-untied")),
+    everything = f8l.swap_linears(build_gpt(size("tiny-untied")),
                                   filter_fn=lambda name, mod: True)
     assert "head" in everything
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: fp8.fp8_max("fp8_e3m4"), "fmt"),
-    (lambda: fp8.Float8Linear(4, 4, scaling="block"), "scaling"),
-    (lambda: fp8.Float8Linear(4, 4, path="fast"), "path"),
+    (lambda: f8l.Float8Linear(4, 4, scaling="block"), "scaling"),
+    (lambda: f8l.Float8Linear(4, 4, path="fast"), "path"),
     (lambda: fp8.scaled_mm(torch.zeros(1), torch.zeros(1), torch.tensor(1.0),
                            torch.tensor(1.0), path="gpu"), "path"),
 ])
@@ -386,7 +387,7 @@ def test_float8_linear_on_cuda_matches_the_dequantized_path(scaling):
     w = (torch.randn(48, 32, generator=gen) * 0.1).to(device)
     outs = {}
     for path in ("auto", "dequantized"):
-        lin = fp8.Float8Linear(32, 48, bias=False, scaling=scaling, path=path,
+        lin = f8l.Float8Linear(32, 48, bias=False, scaling=scaling, path=path,
                                device=device)
         with torch.no_grad():
             lin.weight.copy_(w)

@@ -3,7 +3,7 @@ linear layer, and the bytes FSDP2's fp8 all-gather saves.
 
 The trainings go through the one loop (:func:`~dtlib.models.run.run_steps` with the
 identity ``Parallelism()``): bf16 is its ``autocast_dtype``, the FP8 runs a model
-whose Linear layers :func:`dtlib.precision.fp8.swap_linears` replaced.
+whose Linear layers :func:`dtlib.precision.float8_linear.swap_linears` replaced.
 
 Taught in: Chapter 7, "FP8".
 """
@@ -19,7 +19,7 @@ import torch
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.run import Parallelism, run_steps
 from dtlib.models.sizes import size
-from dtlib.precision.fp8 import Float8Linear, swap_linears
+from dtlib.precision.float8_linear import Float8Linear, swap_linears
 
 __all__ = ["RECIPES", "H100", "LLAMA3_8B_LINEARS", "TORCHAO_LLAMA3_8B",
            "fp8_training", "linear_roofline", "step_speedup", "implied_gemm_share",
