@@ -1,0 +1,268 @@
+"""Chapter 7, "Mixed precision across ranks": the book's ZeRO-3 under a
+MixedPrecisionPolicy against torch's FSDP2 under the same policy and against one
+process running the same casts; bytes on the wire; the sharded loss scaler.
+
+One launch per world size (:func:`rank_runs`); the one-process references are
+computed once per configuration, in this process.
+
+Tolerances (derived, not tuned; the convention of tests/fp32_tolerance.py: relative to
+the largest element of the reference, since a sum's error scales with its terms):
+
+- First-step gradients. Every implementation casts the same fp32 master values to
+  ``param_dtype``, so each rank's 16-bit forward and backward is the same computation
+  on the same rows and yields the same per-rank gradient. What may differ is the
+  N-term sum of the reduction in ``reduce_dtype`` (its order, where the 1/N is
+  applied): at most (N - 1) u sum_r |g_r| plus one rounding of the result, u = 2**-24
+  (fp32) or 2**-8 (bf16's unit roundoff: 8 significant bits). Each rank's gradient
+  (the mean over its 2 of the 2N rows) is at most N times the global mean's scale,
+  so sum_r |g_r| <= N * N max|g|: REL_GRAD = 2 N**2 u (the 2 covers the final
+  rounding and the division). With fp32 reduction that is ~1e-6: a reduction done in
+  bf16 when fp32 was asked differs by ~2**-9 relative and fails it.
+- Parameters after 3 SGD steps (lr 0.05, momentum 0.9): a gradient difference d moves
+  them by at most lr * momentum_gain(3, 0.9) * d = 0.28 d. Later steps compute on
+  16-bit casts of master values that may now differ in their last bits, so a cast
+  may round the other way: one 16-bit ulp (relative 2**-8 for bf16, 2**-11 fp16) of
+  a weight changes the step's gradient by at most that relative amount of its O(1)
+  scale (LayerNorm'd activations, weights below 1). So |dp| <= 0.28 * (REL_GRAD +
+  2**-8) * max|g|; reference parameters move by more than 100 times this
+  (test_reference_moves_far_more_than_the_tolerance).
+- Losses: the first step's loss is a mean of T = 2N x 16 positive per-token fp32
+  losses (one process sums them at once, the ranks in N groups): within T u32
+  relative. Later losses differ through the parameters:
+  a change |dp| in O(1) weights of a LayerNorm'd net moves the loss by O(|dp|) per
+  layer; 4 layers' worth: |dL| <= 4 |dp|_tol.
+- Loss scaling, fp32 policy: the sharded run and one process differ as in
+  tests/test_zero.py (ATOL_FP32 = 1e-4, SGD with momentum); the loss scale is a power
+  of two, so scaling and unscaling are exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dtlib.chapters.ch07_mixed_precision import across_ranks as ar
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.runtime import launch
+from fp32_tolerance import U32, momentum_gain
+
+ATOL_FP32 = 1e-4  # tests/test_zero.py's derivation: same model, batch and optimizer
+UNIT_ROUNDOFF = {torch.float32: U32, torch.bfloat16: 2.0 ** -8,
+                 torch.float16: 2.0 ** -11}
+PARAM_GAIN = ar.SGD["lr"] * momentum_gain(3, ar.SGD["momentum"])
+SCALER_CASES = [(agree, bad) for agree in (True, False) for bad in ("inf", "nan")]
+
+
+def rank_runs() -> dict:
+    """On every rank: every policy with both variants, and the scaler runs."""
+    out = ar.policy_rank()
+    for agree, bad in SCALER_CASES:
+        out["scaler", agree, bad] = ar.scaler_rank(agree, bad)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def runs(world_size: int) -> list[dict]:
+    return launch.spawn(rank_runs, world_size, stream=False, timeout=600)
+
+
+@functools.lru_cache(maxsize=None)
+def simulated(world_size: int, name: str) -> dict:
+    return ar.simulated(world_size, name)
+
+
+def tolerances(world_size: int, name: str) -> tuple[float, float]:
+    """``(rel_grad, rel_param)``: see the module docstring."""
+    param_dtype, reduce_dtype = ar.POLICIES[name]
+    u_reduce = UNIT_ROUNDOFF[reduce_dtype or torch.float32]
+    u_param = UNIT_ROUNDOFF[param_dtype or torch.float32]
+    rel_grad = 2 * world_size ** 2 * u_reduce
+    return rel_grad, PARAM_GAIN * (rel_grad + u_param)
+
+
+def assert_scaled_close(got: dict, want: dict, rel: float, scale: float) -> None:
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=rel * scale,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def gmax(grads: dict) -> float:
+    return max(float(g.abs().max()) for g in grads.values())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", list(ar.POLICIES))
+@pytest.mark.parametrize("against", ["fsdp2", "one_process"])
+def test_policy_matches(world_size, name, against):
+    """The book's ZeRO-3 under the policy: first-step gradients, losses and the
+    parameters after 3 steps equal FSDP2's (same policy) and one process's with the
+    same casts, on every rank."""
+    rel_grad, rel_param = tolerances(world_size, name)
+    for rank in runs(world_size):
+        ours = rank["ours", name]
+        want = rank["fsdp2", name] if against == "fsdp2" else \
+            simulated(world_size, name)
+        g = gmax(want["grads"])
+        assert_scaled_close(ours["grads"], want["grads"], rel_grad, g)
+        assert_scaled_close(ours["params"], want["params"], rel_param, g)
+        tokens = ar.ROWS_PER_RANK * world_size * ar.GPT["seq_len"]
+        torch.testing.assert_close(ours["losses"][0], want["losses"][0],
+                                   rtol=tokens * U32, atol=0)
+        torch.testing.assert_close(ours["losses"], want["losses"],
+                                   rtol=tokens * U32, atol=4 * rel_param * g)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reference_moves_far_more_than_the_tolerance(world_size):
+    init = {n: p.detach() for n, p in build_gpt(GPTConfig(**ar.GPT), 0)
+            .named_parameters()}
+    ref = simulated(world_size, "bf16")
+    _, rel_param = tolerances(world_size, "bf16")
+    moved = max(float((ref["params"][n] - p).abs().max()) for n, p in init.items())
+    assert moved > 100 * rel_param * gmax(ref["grads"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reduce_dtype_is_honoured(world_size):
+    """bf16 compute: reducing in bf16 instead of fp32 changes the averaged gradient
+    by more than the fp32 tolerance (so the comparison above would catch it) and
+    by no more than the bf16 one."""
+    rel32, _ = tolerances(world_size, "bf16")
+    rel16, _ = tolerances(world_size, "bf16-reduce-bf16")
+    r = runs(world_size)[0]
+    a, b = r["ours", "bf16"]["grads"], r["ours", "bf16-reduce-bf16"]["grads"]
+    worst = max(float((a[n] - b[n]).abs().max()) for n in a) / gmax(a)
+    assert rel32 < worst <= rel16, worst
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", list(ar.POLICIES))
+def test_bytes_on_the_wire(world_size, name):
+    """Per step: two all-gathers of Psi elements in param_dtype, one reduce-scatter
+    of Psi in reduce_dtype (the GPT's units divide 4: no padding); fp32 is Chapter
+    4's exact count, and the bookkeeping is the same under every policy; FSDP2
+    moves the same payload."""
+    param_dtype, reduce_dtype = ar.POLICIES[name]
+    size = {None: 4, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+    for rank in runs(world_size):
+        ours, fsdp2 = rank["ours", name], rank["fsdp2", name]
+        psi = ours["n_params"]
+        assert ours["bytes"]["all_gather"]["payload"] == 2 * psi * size[param_dtype]
+        assert ours["bytes"]["reduce_scatter"]["payload"] == \
+            psi * size[reduce_dtype or param_dtype]
+        for op in ("all_gather", "reduce_scatter"):
+            assert ours["bytes"][op]["payload"] == fsdp2["bytes"][op]["payload"]
+            assert ours["bytes"][op]["other"] == rank["ours", "fp32"]["bytes"][op][
+                "other"]
+        if param_dtype is not None:  # 16-bit all-gathers: half of fp32's
+            assert 2 * ours["bytes"]["all_gather"]["payload"] == \
+                rank["ours", "fp32"]["bytes"]["all_gather"]["payload"]
+
+
+# ---- loss scaling under sharding ----------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def scaler_reference(world_size: int, bad: str) -> dict:
+    """One process on the global batch, skipping the bad step."""
+    return ar.scaler_rank(False, bad, bad_rank=0, world_size=world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_sharded_scaler_skips_together(world_size, bad):
+    """One rank's shard holds the inf (NaN): with the all-reduced flag every rank
+    skips that step and backs off, and the model equals one process skipping it."""
+    ref = scaler_reference(world_size, bad)
+    assert ref["scales"][1] == ref["scales"][0] / 2  # the reference skipped step 1
+    for rank in runs(world_size):
+        got = rank["scaler", True, bad]
+        assert got["scales"] == ref["scales"]
+        for name, w in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], w, atol=ATOL_FP32, rtol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_per_rank_scaler_drifts(world_size, bad):
+    """Without the all-reduce the rank with the bad shard skips and halves its scale
+    while the others step and grow theirs: the scales part, and the model leaves the
+    one-process trajectory by far more than the tolerance."""
+    ref = scaler_reference(world_size, bad)
+    ranks = runs(world_size)
+    scales = [r["scaler", False, bad]["scales"] for r in ranks]
+    assert scales[1] == ref["scales"]  # the bad rank did what one process does
+    assert all(s[1] == 4 * ref["scales"][1] for i, s in enumerate(scales) if i != 1)
+    worst = max(float((ranks[0]["scaler", False, bad]["params"][n] - w).abs().max())
+                for n, w in ref["params"].items())
+    assert worst > 100 * ATOL_FP32, worst
+
+
+def test_sharded_scaler_on_one_process():
+    """A world of one: no all-reduce, the plain scaler's decisions."""
+    from dtlib.precision.sharded import ShardedLossScaler
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = ShardedLossScaler(init_scale=4.0)
+    scaler.scale(p.sum()).backward()
+    assert scaler.step(opt)
+    scaler.update()
+    p.grad = torch.tensor([1.0, float("nan"), 1.0])
+    assert not scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0  # no growth yet (interval 2000), one backoff
+
+
+def test_policy_rejects_bad_arguments():
+    from dtlib.precision.sharded import SimulatedRanks
+    from dtlib.zero import FullyShardedModule, MixedPrecisionPolicy, parallelism
+
+    net = build_gpt(GPTConfig(**ar.GPT), 0)
+    with pytest.raises(ValueError, match="param_dtype"):
+        FullyShardedModule(net, mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.int8))
+    with pytest.raises(ValueError, match="stage=3"):
+        parallelism(2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="world_size"):
+        SimulatedRanks(0)
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        SimulatedRanks(2, torch.bfloat16, torch.int32)
+    with pytest.raises(ValueError, match="bad"):
+        ar.scaler_rank(True, bad="zero")
+
+
+# ---- reduce in what dtype? ----------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def errors() -> tuple[list, list]:
+    from dtlib.precision.reduction import accumulation_errors, reduction_errors
+
+    return reduction_errors(), accumulation_errors()
+
+
+def test_bf16_reduction_loses_what_fp32_keeps():
+    """Across 2, 4, 8 ranks: the fp32 sum of bf16 gradients stays under its Higham
+    bound ((N - 1) u32 sum|g| / |sum g|), the bf16 sum under its own (with u16) but
+    above the fp32 bound, and more ranks (more roundings) lose more."""
+    rows, _ = errors()
+    by = {(r["world_size"], r["dtype"]): r for r in rows}
+    for n in (2, 4, 8):
+        b16, f32 = by[n, "bfloat16"], by[n, "float32"]
+        assert f32["rel_err"] <= f32["bound"] < b16["rel_err"] <= b16["bound"]
+    assert by[8, "bfloat16"]["rel_err"] > by[2, "bfloat16"]["rel_err"]
+
+
+def test_fp32_main_grad_fixes_accumulation():
+    """K micro-batches: one term needs no rounding (error 0); from two on the bf16
+    .grad loses more than fp32's bound allows, within bf16's, and more at 64 than at
+    2; the fp32 main_grad stays within fp32's bound."""
+    _, rows = errors()
+    by = {r["micro_batches"]: r for r in rows}
+    assert by[1]["bf16_rel_err"] == by[1]["fp32_rel_err"] == 0.0
+    for r in rows[1:]:
+        assert r["fp32_rel_err"] <= r["fp32_bound"] < r["bf16_rel_err"] <= \
+            r["bf16_bound"]
+    assert by[64]["bf16_rel_err"] > by[2]["bf16_rel_err"]
