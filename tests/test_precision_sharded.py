@@ -266,3 +266,82 @@ def test_fp32_main_grad_fixes_accumulation():
         assert r["fp32_rel_err"] <= r["fp32_bound"] < r["bf16_rel_err"] <= \
             r["bf16_bound"]
     assert by[64]["bf16_rel_err"] > by[2]["bf16_rel_err"]
+
+
+# ---- the exercise: a reduce-scatter in reduce_dtype into fp32 master shards ---------
+
+def _reduce(grad, reduce_dtype, *, cast=True, average=True, up=True, shard_of=None,
+            via="reduce_scatter", pre_divide=False, always=None):
+    import torch.distributed as dist
+
+    reduce_dtype = always or reduce_dtype
+    n, rank = dist.get_world_size(), dist.get_rank()
+    send = grad.to(reduce_dtype) if cast else grad
+    if pre_divide:
+        send = send / n
+    if via == "reduce_scatter":
+        out = torch.empty(grad.numel() // n, dtype=send.dtype, device=send.device)
+        dist.reduce_scatter_tensor(out, send)
+    else:  # all-reduce, then keep a slice: more bytes, the same numbers
+        dist.all_reduce(send)
+        r = rank if shard_of is None else shard_of
+        out = send.chunk(n)[r]
+    if average and not pre_divide:
+        out = out / n
+    return out.float() if up else out
+
+
+GRAD_ANSWERS = {
+    "right": functools.partial(_reduce),
+    "all_reduce_slice": functools.partial(_reduce, via="all_reduce"),
+    "pre_divide": functools.partial(_reduce, pre_divide=True),
+    "bf16_always": functools.partial(_reduce, cast=False),
+    "fp32_always": functools.partial(_reduce, always=torch.float32),
+    "no_average": functools.partial(_reduce, average=False),
+    "bf16_shard": functools.partial(_reduce, up=False),
+    "wrong_shard": functools.partial(_reduce, via="all_reduce", shard_of=0),
+}
+
+
+def _every_grad_answer(answers):
+    from dtlib.exercises.precision import grad_shards_on_rank
+
+    return [grad_shards_on_rank(a) for a in answers]
+
+
+@functools.lru_cache(maxsize=None)
+def grad_answers() -> dict:
+    names = list(GRAD_ANSWERS)
+    ranks = launch.spawn(_every_grad_answer, 2, [GRAD_ANSWERS[n] for n in names],
+                         timeout=120, stream=False)
+    return {n: [ranks[0][i], ranks[1][i]] for i, n in enumerate(names)}
+
+
+def test_grad_shard_truths_differ():
+    """The fp32 and bf16 sums of the checker's gradients differ by far more than
+    the checker's fp32 tolerance: a reduction in the wrong dtype is seen."""
+    from dtlib.exercises.precision import grad_shard_truth
+
+    a = torch.cat(grad_shard_truth(0, 2, torch.float32))
+    b = torch.cat(grad_shard_truth(0, 2, torch.bfloat16))
+    assert float((a - b).abs().max()) > 100 * 4 * U32 * float(a.abs().max())
+
+
+@pytest.mark.parametrize("name", ["right", "all_reduce_slice", "pre_divide"])
+def test_grad_shard_checker_accepts(name, capsys):
+    from dtlib.exercises.precision import judge_grad_shards
+
+    judge_grad_shards(grad_answers()[name])
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,match", [
+    ("bf16_always", "sum done in bfloat16"), ("fp32_always", "sum done in float32"),
+    ("no_average", "times too large"), ("bf16_shard", "the shard is torch.bfloat16"),
+    ("wrong_shard", "another rank's shard")])
+def test_grad_shard_checker_rejects(name, match):
+    from dtlib.exercises import WrongAnswer
+    from dtlib.exercises.precision import judge_grad_shards
+
+    with pytest.raises(WrongAnswer, match=match):
+        judge_grad_shards(grad_answers()[name])

@@ -27,8 +27,8 @@ from dtlib.precision.sharded import ShardedLossScaler, SimulatedRanks
 from dtlib.runtime.dist import world
 from dtlib.zero import MixedPrecisionPolicy, parallelism
 
-__all__ = ["POLICIES", "GPT", "policy", "policy_rank", "simulated", "scaler_rank",
-           "wire_bytes"]
+__all__ = ["POLICIES", "PAGE_POLICIES", "GPT", "policy", "policy_rank", "simulated",
+           "scaler_rank", "wire_bytes", "page_rank", "policy_table"]
 
 #: The small GPT of these runs (Chapter 4's test GPT: every size divides 4).
 GPT = dict(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=2)
@@ -167,3 +167,42 @@ def scaler_rank(agree: bool, bad: str = "inf", bad_rank: int = 1, bad_step: int 
                     scaler=scaler, record_grads=False, on_step=on_step)
     out["params"] = run.params
     return out
+
+
+#: The policies the page runs (fp16's differ from bf16's only in the format).
+PAGE_POLICIES = ("fp32", "bf16", "bf16-reduce-bf16")
+
+
+def page_rank() -> dict[str, Any]:
+    """On every rank: what the page shows, in one launch: :data:`PAGE_POLICIES` with
+    both variants, and the inf on rank 1's shard with and without the agreement."""
+    out: dict[Any, Any] = policy_rank(PAGE_POLICIES)
+    for agree in (False, True):
+        out["scaler", agree] = scaler_rank(agree)
+    return out
+
+
+def policy_table(ranks: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+    """The page's table: per policy, rank 0's bytes per step and the largest
+    first-step gradient difference, relative to the largest gradient, from FSDP2's
+    and from one process's with the same casts (:func:`simulated`)."""
+    rows = []
+    for name in PAGE_POLICIES:
+        ours, fsdp2 = ranks[0]["ours", name], ranks[0]["fsdp2", name]
+        sim = simulated(world_size, name)
+        scale = max(float(g.abs().max()) for g in fsdp2["grads"].values())
+
+        def diff(want: dict[str, torch.Tensor]) -> float:
+            return max(float((ours["grads"][n] - w).abs().max())
+                       for n, w in want.items()) / scale
+
+        param_dtype, reduce_dtype = POLICIES[name]
+        rows.append({
+            "policy": name,
+            "param_dtype": str(param_dtype or torch.float32).removeprefix("torch."),
+            "reduce_dtype": str(reduce_dtype or param_dtype or torch.float32)
+            .removeprefix("torch."),
+            "all-gather bytes": ours["bytes"]["all_gather"]["payload"],
+            "reduce-scatter bytes": ours["bytes"]["reduce_scatter"]["payload"],
+            "vs FSDP2": diff(fsdp2["grads"]), "vs one process": diff(sim["grads"])})
+    return rows
