@@ -74,12 +74,16 @@ def simulated(world_size: int, name: str) -> dict:
 
 
 def tolerances(world_size: int, name: str) -> tuple[float, float]:
-    """``(rel_grad, rel_param)``: see the module docstring."""
+    """``(rel_grad, rel_param)``: see the module docstring (the formula is
+    ``ar.policy_tolerances``, which the GPU suite uses too)."""
+    rel_grad, rel_param = ar.policy_tolerances(world_size, name)
     param_dtype, reduce_dtype = ar.POLICIES[name]
-    u_reduce = UNIT_ROUNDOFF[reduce_dtype or torch.float32]
-    u_param = UNIT_ROUNDOFF[param_dtype or torch.float32]
-    rel_grad = 2 * world_size ** 2 * u_reduce
-    return rel_grad, PARAM_GAIN * (rel_grad + u_param)
+    want = 2 * world_size ** 2 * UNIT_ROUNDOFF[reduce_dtype or param_dtype
+                                               or torch.float32]
+    assert rel_grad == want
+    assert rel_param == pytest.approx(PARAM_GAIN * (
+        want + UNIT_ROUNDOFF[param_dtype or torch.float32]), rel=1e-12)
+    return rel_grad, rel_param
 
 
 def assert_scaled_close(got: dict, want: dict, rel: float, scale: float) -> None:

@@ -12,7 +12,7 @@ Two sums of gradients happen in data-parallel training, and each can run in 16 b
   ``.grad``. With bf16 parameters autograd adds in bf16 (``.grad += g``), K - 1
   roundings of a growing sum; Megatron-LM keeps an fp32 ``main_grad`` instead
   (``--accumulate-allreduce-grads-in-fp32``) and adds each micro-batch's bf16
-  gradient into it {cite:p}`shoeybi2019megatron`.
+  gradient into it.
 
 A sum of n terms rounded after each addition is off by at most (n - 1) u sum|terms|
 (Higham, *Accuracy and Stability*, 4.2), u the unit roundoff: 2**-8 for bf16, 2**-24

@@ -28,7 +28,8 @@ from dtlib.runtime.dist import world
 from dtlib.zero import MixedPrecisionPolicy, parallelism
 
 __all__ = ["POLICIES", "PAGE_POLICIES", "GPT", "policy", "policy_rank", "simulated",
-           "scaler_rank", "wire_bytes", "page_rank", "policy_table"]
+           "scaler_rank", "wire_bytes", "page_rank", "policy_table",
+           "UNIT_ROUNDOFF", "policy_tolerances", "compare_variants"]
 
 #: The small GPT of these runs (Chapter 4's test GPT: every size divides 4).
 GPT = dict(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=2)
@@ -206,3 +207,54 @@ def policy_table(ranks: list[dict[str, Any]], world_size: int) -> list[dict[str,
             "reduce-scatter bytes": ours["bytes"]["reduce_scatter"]["payload"],
             "vs FSDP2": diff(fsdp2["grads"]), "vs one process": diff(sim["grads"])})
     return rows
+
+
+#: Unit roundoff (half an ulp of 1.0) of the dtypes a policy names.
+UNIT_ROUNDOFF = {None: 2.0 ** -24, torch.float32: 2.0 ** -24,
+                 torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def policy_tolerances(world_size: int, name: str) -> tuple[float, float]:
+    """``(rel_grad, rel_param)``: how far two implementations of policy ``name``
+    may differ, relative to the largest first-step gradient.
+
+    Every implementation casts the same fp32 master values to ``param_dtype``, so each
+    rank's 16-bit backward is the same computation on the same rows. What may differ
+    is the N-term sum in ``reduce_dtype`` (order, where the 1/N goes): at most
+    (N - 1) u sum_r |g_r| plus a rounding, and a rank's gradient (the mean over its
+    share of the rows) is at most N times the global mean's scale: rel_grad =
+    2 N**2 u_reduce. Parameters after 3 SGD steps (lr 0.05, momentum 0.9) move by at
+    most lr * (1 + 1.9 + 2.71) = 0.28 times a gradient difference; later steps
+    compute on 16-bit casts that may round the other way, one ulp (u_param relative)
+    of a weight changing the gradient by at most that relative amount of its O(1)
+    scale: rel_param = 0.28 (rel_grad + u_param).
+    """
+    param_dtype, reduce_dtype = POLICIES[name]
+    rel_grad = 2 * world_size ** 2 * UNIT_ROUNDOFF[reduce_dtype or param_dtype]
+    gain = SGD["lr"] * sum((1 - SGD["momentum"] ** (3 - k)) / (1 - SGD["momentum"])
+                           for k in range(3))
+    return rel_grad, gain * (rel_grad + UNIT_ROUNDOFF[param_dtype])
+
+
+def compare_variants(name: str = "bf16") -> dict[str, Any]:
+    """On every rank: both variants under policy ``name``; how far ours is from
+    FSDP2, relative to the largest gradient, and ours' payload bytes.
+
+    Returns:
+        ``{"grad", "param"}`` (relative differences), ``"rel_grad"``,
+        ``"rel_param"`` (:func:`policy_tolerances`), ``"all_gather"``,
+        ``"reduce_scatter"`` (payload bytes of one step), ``"n_params"``.
+    """
+    runs = policy_rank((name,))
+    ours, fsdp2 = runs["ours", name], runs["fsdp2", name]
+    scale = max(float(g.abs().max()) for g in fsdp2["grads"].values())
+
+    def diff(key: str) -> float:
+        return max(float((ours[key][n].cpu() - w.cpu()).abs().max())
+                   for n, w in fsdp2[key].items()) / scale
+
+    rel_grad, rel_param = policy_tolerances(world().world_size, name)
+    return {"grad": diff("grads"), "param": diff("params"), "rel_grad": rel_grad,
+            "rel_param": rel_param, "n_params": ours["n_params"],
+            "all_gather": ours["bytes"]["all_gather"]["payload"],
+            "reduce_scatter": ours["bytes"]["reduce_scatter"]["payload"]}
