@@ -349,3 +349,32 @@ def test_grad_shard_checker_rejects(name, match):
 
     with pytest.raises(WrongAnswer, match=match):
         judge_grad_shards(grad_answers()[name])
+
+
+def test_policy_module_on_one_process():
+    """A world of one under the bf16 policy: the optimizer sees fp32 pieces with fp32
+    .grad; compute runs in bf16 (the loss differs from fp32's); state_dict and
+    load_state_dict move the fp32 master values, not their bf16 casts; between steps
+    only the fp32 shards are held (the bf16 buffer is freed)."""
+    from dtlib.zero import FullyShardedModule, MixedPrecisionPolicy
+
+    cfg = GPTConfig(**ar.GPT)
+    x, y = ar._batch(1)
+    plain = build_gpt(cfg, 0)
+    net = FullyShardedModule(build_gpt(cfg, 0), mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    loss = ar._loss(net, x, y)
+    loss.backward()
+    with torch.no_grad():
+        assert loss.item() != ar._loss(plain, x, y).item()  # bf16 compute
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in net.parameters())
+    sd = net.state_dict()
+    for name, p in plain.state_dict().items():
+        assert sd[name].dtype == p.dtype and torch.equal(sd[name], p), name
+    third = {n: v + 2.0 ** -20 if v.is_floating_point() else v for n, v in sd.items()}
+    net.load_state_dict(third)  # a change below bf16's resolution survives
+    back = net.state_dict()
+    assert all(torch.equal(back[n], v) for n, v in third.items())
+    psi = sum(p.numel() for p in plain.parameters())
+    assert net.state_bytes()["params"] == 4 * psi
