@@ -46,11 +46,25 @@ PARAM_GAIN = ar.SGD["lr"] * momentum_gain(3, ar.SGD["momentum"])
 SCALER_CASES = [(agree, bad) for agree in (True, False) for bad in ("inf", "nan")]
 
 
+def _fp16_mean_near_the_top() -> dict:
+    """Every rank reduces fp16 gradients of 65536 / N (the largest fp16 is 65504):
+    their sum overflows, their mean does not."""
+    from dtlib.zero.shards import ShardedUnits
+
+    units = ShardedUnits(torch.nn.Linear(2, 2), 3, param_dtype=torch.float16,
+                         reduce_dtype=torch.float16)
+    n = units.world_size
+    flat = torch.full((4 * n,), 65536.0 / n, dtype=torch.float16)
+    return {"mean": units.reduce_scatter_mean(flat), "n": n}
+
+
 def rank_runs() -> dict:
-    """On every rank: every policy with both variants, and the scaler runs."""
+    """On every rank: every policy with both variants, the scaler runs, and an fp16
+    reduction near the top of fp16's range."""
     out = ar.policy_rank()
     for agree, bad in SCALER_CASES:
         out["scaler", agree, bad] = ar.scaler_rank(agree, bad)
+    out["fp16_top"] = _fp16_mean_near_the_top()
     return out
 
 
@@ -157,6 +171,18 @@ def test_bytes_on_the_wire(world_size, name):
         if param_dtype is not None:  # 16-bit all-gathers: half of fp32's
             assert 2 * ours["bytes"]["all_gather"]["payload"] == \
                 rank["ours", "fp32"]["bytes"]["all_gather"]["payload"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp16_reduction_divides_before_it_sums(world_size):
+    """As FSDP2 does for fp16: divided by a power of two near sqrt(N) (2 for N = 2
+    and 4) before the sum and by the rest after, the mean of N values v = 65536 / N
+    is v exactly (powers of two: every partial sum k v / 2 is exact in fp16), where
+    the plain sum, 65536, is past fp16's largest value and would be inf."""
+    for rank in runs(world_size):
+        got = rank["fp16_top"]["mean"]
+        assert got.dtype == torch.float16
+        assert torch.equal(got, torch.full_like(got, 65536.0 / world_size))
 
 
 # ---- loss scaling under sharding ----------------------------------------------------

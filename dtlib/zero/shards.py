@@ -192,13 +192,24 @@ class ShardedUnits:
             dist.broadcast(t, src=src, group=self.group)
 
     def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the average over ranks of ``flat`` (padded, 1-D)."""
+        """This rank's shard of the average over ranks of ``flat`` (padded, 1-D).
+
+        In fp16 (largest value 65504) the sum of N gradients can overflow where
+        their mean would not: as FSDP2 does, ``flat`` is divided by about sqrt(N)
+        (a power of two, exact) before the sum and by the rest after it.
+        """
         if self.world_size == 1:
             return flat.clone()
         out = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype,
                           device=flat.device)
+        pre = 1
+        while flat.dtype == torch.float16 and self.world_size % (2 * pre) == 0 \
+                and self.world_size / pre > pre:
+            pre *= 2
+        if pre > 1:
+            flat = flat / pre
         reduce_scatter_into(out, flat, group=self.group)
-        return out.div_(self.world_size)
+        return out.div_(self.world_size // pre)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """Every rank's ``shard``, in rank order, into ``out``."""
