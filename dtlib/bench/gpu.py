@@ -4,6 +4,8 @@ On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
 
 - chapters 0, 2, 3, 4, 6 and the capstone, each compared with one process (or, for
   chapter 2's primitives, with the same ranks on gloo), as the CPU tests do;
+- ``ch7``: the book's ZeRO-3 under the bf16 ``MixedPrecisionPolicy`` against FSDP2's
+  under the same policy on the same NCCL ranks, and the bytes of its collectives;
 - ``collectives``: bus bandwidth of ``all_reduce`` (nccl-tests' busbw = algbw x
   2(n-1)/n) and the from-scratch ring's share of it;
 - ``matmul``: bf16, fp16 and tf32 TFLOP/s at 4096-16384 as a share of the device's
@@ -35,8 +37,8 @@ from dtlib.runtime.dist import world
 
 #: Printed lines instead of a table (read by ``python -m dtlib.bench``).
 PRINTS_LINES = True
-CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "capstone", "collectives", "matmul",
-          "memory")
+CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "capstone", "collectives",
+          "matmul", "memory")
 #: Dense datasheet peaks in TFLOP/s: (bf16, fp16, tf32), matched on the device name.
 PEAKS = (("H100 PCIe", (756.0, 756.0, 378.0)), ("H100", (989.4, 989.4, 494.7)),
          ("H200", (989.4, 989.4, 494.7)), ("GH200", (989.4, 989.4, 494.7)),
@@ -166,6 +168,21 @@ def check_ch4(n: int, timeout: float) -> tuple[bool, str]:
                 + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
+def check_ch7(n: int, timeout: float) -> tuple[bool, str]:
+    from dtlib.chapters.ch07_mixed_precision.across_ranks import compare_variants
+
+    res = launch.spawn(compare_variants, n, "bf16", timeout=timeout, stream=False)
+    worst = {k: max(r[k] for r in res) for k in ("grad", "param")}
+    r = res[0]
+    ok = (worst["grad"] <= r["rel_grad"] and worst["param"] <= r["rel_param"]
+          and r["all_gather"] == 2 * 2 * r["n_params"]  # bf16: 2 bytes, 2 gathers
+          and r["reduce_scatter"] == 4 * r["n_params"])  # fp32 reduction
+    return ok, (f"bf16 policy, ours vs FSDP2 on {n} ranks, relative to the largest "
+                f"gradient: grads {worst['grad']:.1e} (<= {r['rel_grad']:.1e}), params "
+                f"{worst['param']:.1e} (<= {r['rel_param']:.1e}); bytes a step: "
+                f"all-gather {r['all_gather']}, reduce-scatter {r['reduce_scatter']}")
+
+
 def check_ch6(n: int, timeout: float) -> tuple[bool, str]:
     res = launch.spawn(pipeline_rank, n, timeout=timeout, stream=False)
     worst = {k: {d: max(r[k][d] for r in res) for d in res[0][k]} for k in res[0]}
@@ -267,8 +284,8 @@ def check_memory(n: int, timeout: float) -> tuple[bool, str]:
 
 RUNNERS: dict[str, Callable[[int, float], tuple[bool, str]]] = {
     "ch0": check_ch0, "ch2": check_ch2, "ch3": check_ch3, "ch4": check_ch4,
-    "ch6": check_ch6, "capstone": check_capstone, "collectives": check_collectives,
-    "matmul": check_matmul, "memory": check_memory}
+    "ch6": check_ch6, "ch7": check_ch7, "capstone": check_capstone,
+    "collectives": check_collectives, "matmul": check_matmul, "memory": check_memory}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
