@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["expert_params", "moe_layer_params", "moe_layer_flops", "a2a_elements",
-           "ep_grad_bytes", "ep_memory_bytes", "MixtralSpec"]
+           "ep_a2a_bytes", "ep_grad_bytes", "ep_memory_bytes", "MixtralSpec"]
 
 
 def _positive(**values: int) -> None:
@@ -70,17 +70,34 @@ def moe_layer_flops(tokens: int, hidden: int, n_experts: int, assignments: int,
     return 2 * hidden * n_experts * tokens + 4 * f * hidden * assignments
 
 
-def a2a_elements(assignments: int, hidden: int) -> int:
-    """Elements one rank puts into one all-to-all of tokens (dispatch or combine):
-    its kept assignments times ``h`` (``k`` rows per token when nothing is dropped;
-    torch's message size, the part kept on the rank included).
+def a2a_elements(rows: int, hidden: int) -> int:
+    """Elements one rank puts into one all-to-all of tokens: ``rows * h``. The
+    dispatch sends its kept assignments (``k`` rows per token when nothing is
+    dropped), the combine sends back the rows its experts received (torch's message
+    size: the part that stays on the rank included).
 
     Taught in: Chapter 14, "What experts cost".
     """
-    if assignments < 0:
-        raise ValueError(f"assignments={assignments!r} must be >= 0")
+    if rows < 0:
+        raise ValueError(f"rows={rows!r} must be >= 0")
     _positive(hidden=hidden)
-    return assignments * hidden
+    return rows * hidden
+
+
+def ep_a2a_bytes(kept: int, received: int, hidden: int, n_experts: int,
+                 element_size: int = 4, count_size: int = 8) -> int:
+    """All-to-all bytes one rank sends for one MoE layer, forward and backward.
+
+    The counts (``E`` integers), the dispatch (``kept`` rows) and the combine
+    (``received`` rows back) forward; backward, the combine's gradient (``kept``
+    rows) and the dispatch's (``received`` rows). Over all ranks ``kept`` and
+    ``received`` sum to the same number: ``4 k h`` elements per token and layer
+    when nothing is dropped.
+
+    Taught in: Chapter 14, "What experts cost".
+    """
+    return n_experts * count_size + 2 * element_size * (
+        a2a_elements(kept, hidden) + a2a_elements(received, hidden))
 
 
 def ep_grad_bytes(dense: int, expert: int, moe_layers: int, n_experts: int, ep: int,

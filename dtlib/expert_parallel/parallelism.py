@@ -1,4 +1,4 @@
-"""Expert parallelism (with data parallelism) as a :class:`~dtlib.models.run.Parallelism`.
+"""Expert parallelism with data parallelism, a :class:`~dtlib.models.run.Parallelism`.
 
 The world of ``ep * dp`` ranks is a grid ``(edp, ep)`` (:mod:`dtlib.parallel_nd.grid`):
 each row is an expert-parallel group (adjacent ranks, the experts split among them),

@@ -114,10 +114,13 @@ def layer_check(cfg: MoEConfig, starved: bool = False) -> dict[str, Any]:
 
 def _record_counts(model: torch.nn.Module):
     """``on_step`` of :func:`run_steps`: tokens per expert of every MoE layer, per
-    step, into ``extra["counts"]``."""
+    step, into ``extra["counts"]`` (and rows this rank's experts received, per
+    layer, into ``extra["received"]``)."""
     def on_step(step: int, loss: float, extra: dict[str, Any]) -> None:
-        extra.setdefault("counts", []).append(
-            [m.counts.cpu().tolist() for m in moe_layers(model)])
+        layers = moe_layers(model)
+        extra.setdefault("counts", []).append([m.counts.cpu().tolist() for m in layers])
+        extra.setdefault("received", []).append(
+            [getattr(m, "received", int(m.counts.sum())) for m in layers])
     return on_step
 
 
@@ -128,17 +131,20 @@ def train_moe(par: Parallelism, cfg: GPTConfig, moe: MoEConfig, batch: int,
 
     Returns:
         A :class:`~dtlib.models.run.RunResult` with ``extra["counts"]`` (tokens
-        per expert of each layer per step, this rank's) and ``comms`` (step 0).
+        per expert of each layer per step, this rank's), ``extra["local_numel"]``
+        (parameters this rank holds) and ``comms`` (step 0).
 
     Taught in: Chapter 14, "Expert parallelism, trained".
     """
     model = moe_gpt(cfg, moe).to(ddist.world().device)
     kwargs = {"lr": lr, **({"momentum": momentum}
                            if optimizer_class is torch.optim.SGD else {})}
-    return run_steps(par, model, gpt_batches(cfg, batch, ddist.world().device), steps,
-                     optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
-                     loss_fn=moe_loss, comms=lambda: count_comms(functional=False),
-                     on_step=_record_counts(model))
+    out = run_steps(par, model, gpt_batches(cfg, batch, ddist.world().device), steps,
+                    optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
+                    loss_fn=moe_loss, comms=lambda: count_comms(functional=False),
+                    on_step=_record_counts(model))
+    out.extra["local_numel"] = sum(p.numel() for p in model.parameters())
+    return out
 
 
 def reference_moe_run(cfg: GPTConfig, moe: MoEConfig, batch: int, steps: int,
