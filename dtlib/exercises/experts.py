@@ -21,7 +21,8 @@ def _case(case: int, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     to the last rank."""
     gen = torch.Generator().manual_seed(10 * case + rank)
     if case == 0:
-        dest = torch.arange(n).repeat_interleave(2)[torch.randperm(2 * n, generator=gen)]
+        order = torch.randperm(2 * n, generator=gen)
+        dest = torch.arange(n).repeat_interleave(2)[order]
     elif case == 1:
         dest = torch.randint(0, n, (3 + 2 * rank,), generator=gen)
     else:

@@ -5,7 +5,8 @@
 - :func:`train_moe` / :func:`reference_moe_run`: the MoE GPT trained with expert
   (and data) parallelism through the one loop, and on one process;
 - :func:`ep_checks`: every variant of a world size in one launch, the page's and
-  the tests' (layer checks, trainings, bytes counted).
+  the tests' (layer checks, trainings, bytes counted); ``page.page_run`` adds
+  DeepSpeed's layer to the page's launch.
 
 Taught in: Chapter 14, mixture of experts.
 """
@@ -181,3 +182,4 @@ def ep_checks(cfg: GPTConfig, moe: MoEConfig, batch: int, steps: int,
         ep, dp = ep_dp
         out["ep_dp"] = train_moe(ep_parallelism(ep=ep, dp=dp), cfg, moe, batch, steps)
     return out
+
