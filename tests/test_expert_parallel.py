@@ -288,3 +288,12 @@ def test_ep2_dp2_equals_one_process_with_bytes_per_group(launches, references
         assert by_group == {(0, 1, 2, 3): want["world"], edp: want["edp"]}
         assert run.comms.total_bytes("all_to_all") == _layer_bytes(run)
         assert run["local_numel"] * 4 == memory["total"]
+
+
+def test_one_expert_parallel_rank_without_a_process_group_is_the_layer() -> None:
+    """ep = 1 (no torch.distributed): no collective runs, the layer is unchanged."""
+    from dtlib.expert_parallel import ExpertParallelMoE
+
+    moe = build_moe(MOE)
+    x, _ = layer_inputs(TOKENS)
+    assert torch.equal(ExpertParallelMoE(moe)(x), moe(x))

@@ -39,7 +39,7 @@ def plot_load_imbalance(runs: dict[str, list[list[list[int]]]]) -> Any:
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
     ax.set_xlabel("training step")
     ax.set_ylabel("busiest expert's tokens / mean")
-    ax.set_title("The load-balancing loss keeps the busiest expert near the mean")
+    ax.set_title("The load-balancing loss takes load off the busiest expert")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
