@@ -297,3 +297,23 @@ def test_one_expert_parallel_rank_without_a_process_group_is_the_layer() -> None
     moe = build_moe(MOE)
     x, _ = layer_inputs(TOKENS)
     assert torch.equal(ExpertParallelMoE(moe)(x), moe(x))
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_planner_ep_plan_agrees_with_the_checked_formulas(ep: int) -> None:
+    from dtlib.planner.moe import ep_plan
+    from dtlib.planner.specs import ClusterSpec
+
+    spec, tokens = MixtralSpec(), 8192
+    p = spec.params()
+    assert p["total"] == p["dense"] + spec.num_hidden_layers * 8 * p["expert"]
+    plan = ep_plan(spec, ClusterSpec.preset("H100-80GB", 8), ep, tokens)
+    layers, rows = spec.num_hidden_layers, spec.num_experts_per_tok * tokens
+    assert plan.state_bytes == ep_memory_bytes(p["dense"], p["expert"], layers, 8,
+                                               ep)["total"]
+    # what leaves the GPU: (ep - 1)/ep of the logged messages (counts aside)
+    logged = ep_a2a_bytes(rows, rows, spec.hidden_size, 8, element_size=2) - 8 * 8
+    assert plan.a2a_bytes == layers * logged * (ep - 1) / ep
+    assert plan.fits is False  # 16 bytes per parameter: beyond 80 GiB at any ep <= 8
+    with pytest.raises(ValueError, match="ep=3"):
+        ep_plan(spec, ClusterSpec.preset("H100-80GB", 8), 3, tokens)

@@ -15,16 +15,15 @@ For the book's MoE (experts are the GPT's MLP ``h -> f h -> h`` with biases, a r
 - memory per rank: the experts' parameters, gradients and optimizer state divided by
   ``ep``; the dense part whole on every rank.
 
-:class:`MixtralSpec` counts Mixtral's parameters (Jiang et al. 2024) from its config:
-experts are SwiGLU MLPs (three ``h x f`` matrices, no bias), attention has grouped
-key/value heads, embeddings and head are untied.
+:class:`MixtralSpec` (from the planner, :mod:`dtlib.planner.moe`, which prices expert
+parallelism at scale) counts Mixtral's parameters (Jiang et al. 2024) from its config.
 
 Taught in: Chapter 14, "What experts cost".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dtlib.planner.moe import MixtralSpec
 
 __all__ = ["expert_params", "moe_layer_params", "moe_layer_flops", "a2a_elements",
            "ep_a2a_bytes", "ep_grad_bytes", "ep_memory_bytes", "MixtralSpec"]
@@ -136,49 +135,3 @@ def ep_memory_bytes(dense: int, expert: int, moe_layers: int, n_experts: int, ep
     out = {"dense": g["world"] * bytes_per_param, "experts": g["edp"] * bytes_per_param}
     out["total"] = out["dense"] + out["experts"]
     return out
-
-
-@dataclass(frozen=True)
-class MixtralSpec:
-    """A Mixtral-style configuration (field names as in its ``config.json``).
-
-    hidden_size: h. intermediate_size: each expert's SwiGLU width f.
-    num_hidden_layers: l. num_attention_heads: a. num_key_value_heads: grouped K/V.
-    vocab_size: V. num_local_experts: E. num_experts_per_tok: k.
-    head_dim: per head; default ``h / a``.
-    """
-
-    hidden_size: int = 4096
-    intermediate_size: int = 14336
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 8
-    vocab_size: int = 32000
-    num_local_experts: int = 8
-    num_experts_per_tok: int = 2
-    head_dim: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "num_local_experts", "num_experts_per_tok"):
-            _positive(**{name: getattr(self, name)})
-        if self.num_experts_per_tok > self.num_local_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be "
-                             f"<= num_local_experts={self.num_local_experts}")
-
-    def params(self) -> dict[str, int]:
-        """``{"total", "active"}`` parameters (active: what one token's forward uses).
-
-        Taught in: Chapter 14, "What experts cost".
-        """
-        h, d = self.hidden_size, self.head_dim or self.hidden_size // \
-            self.num_attention_heads
-        attn = 2 * h * self.num_attention_heads * d \
-            + 2 * h * self.num_key_value_heads * d  # q, o; k, v
-        expert = 3 * h * self.intermediate_size  # gate, up, down
-        per_layer = attn + h * self.num_local_experts + 2 * h  # router, 2 norms
-        embed = 2 * self.vocab_size * h + h  # embedding, head, final norm
-        l = self.num_hidden_layers  # noqa: E741
-        return {"total": l * (per_layer + self.num_local_experts * expert) + embed,
-                "active": l * (per_layer + self.num_experts_per_tok * expert) + embed}
