@@ -2,7 +2,7 @@
 
 On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
 
-- chapters 0, 2, 3, 4, 6 and the capstone, each compared with one process (or, for
+- chapters 0, 2, 3, 4, 6, 14 and the capstone, each compared with one process (or, for
   chapter 2's primitives, with the same ranks on gloo), as the CPU tests do;
 - ``ch7``: the book's ZeRO-3 under the bf16 ``MixedPrecisionPolicy`` against FSDP2's
   under the same policy on the same NCCL ranks, and the bytes of its collectives;
@@ -37,7 +37,7 @@ from dtlib.runtime.dist import world
 
 #: Printed lines instead of a table (read by ``python -m dtlib.bench``).
 PRINTS_LINES = True
-CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "capstone", "collectives",
+CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "ch14", "capstone", "collectives",
           "matmul", "memory")
 #: Dense datasheet peaks in TFLOP/s: (bf16, fp16, tf32), matched on the device name.
 PEAKS = (("H100 PCIe", (756.0, 756.0, 378.0)), ("H100", (989.4, 989.4, 494.7)),
@@ -112,6 +112,23 @@ def pipeline_rank() -> dict[str, Any]:
     out.pop("ref_losses")
     return {k: {d: v[d] for d in ("loss_diff", "grad_diff", "param_diff")}
             for k, v in out.items()}
+
+
+def experts_rank(moe: Any, steps: int) -> dict[str, Any]:
+    """Chapter 14: the expert-parallel MoE layer (k = 1, 2, with and without
+    dropping) and the MoE GPT trained with experts over every rank."""
+    from dataclasses import replace
+
+    from dtlib.chapters.ch14_experts.runs import layer_check, train_moe
+    from dtlib.expert_parallel import parallelism as ep_parallelism
+    from dtlib.models.sizes import size
+
+    n = dist.get_world_size()
+    layers = {(k, cf): layer_check(replace(moe, top_k=k, capacity_factor=cf))
+              for k, cf in ((1, None), (2, None), (2, 1.0))}
+    run = train_moe(ep_parallelism(ep=n), size("tiny"), moe, n, steps)
+    return {"layers": layers, "losses": run.losses, "grads": run.grads,
+            "params": run.params}
 
 
 # ---- the checks: each returns (ok, detail) -------------------------------------------
@@ -191,6 +208,29 @@ def check_ch6(n: int, timeout: float) -> tuple[bool, str]:
     return ok, (f"{n} stages vs one process: "
                 + ", ".join(f"{k} loss {w['loss_diff']:.1e} grad {w['grad_diff']:.1e}"
                             for k, w in worst.items()))
+
+
+def check_ch14(n: int, timeout: float) -> tuple[bool, str]:
+    from dataclasses import replace
+
+    from dtlib.chapters.ch14_experts.runs import layer_reference, reference_moe_run
+    from dtlib.expert_parallel import MoEConfig
+    from dtlib.models.sizes import size
+
+    moe, steps = MoEConfig(n_experts=2 * n), 3
+    res = launch.spawn(experts_rank, n, moe, steps, timeout=timeout, stream=False)
+    worst = 0.0
+    for (k, cf), _ in res[0]["layers"].items():
+        ref = layer_reference(replace(moe, top_k=k, capacity_factor=cf), n)
+        out = torch.cat([r["layers"][k, cf]["out"] for r in res])
+        worst = max(worst, float((out - ref["out"]).abs().max()))
+    ref = reference_moe_run(size("tiny"), moe, n, steps, n)
+    loss = max(abs(a - b) for r in res for a, b in zip(r["losses"], ref.losses))
+    grad = max(_max_diff(r["grads"], ref.grads) for r in res)
+    param = max(_max_diff(r["params"], ref.params) for r in res)
+    ok = max(worst, grad) <= GRAD_ATOL and loss <= LOSS_ATOL and param <= 1e-4
+    return ok, (f"MoE layer and GPT, experts over {n} ranks vs one process: layer out "
+                f"{worst:.1e}, loss {loss:.1e}, grad {grad:.1e}, param {param:.1e}")
 
 
 def check_capstone(n: int, timeout: float) -> tuple[bool, str]:
@@ -284,8 +324,9 @@ def check_memory(n: int, timeout: float) -> tuple[bool, str]:
 
 RUNNERS: dict[str, Callable[[int, float], tuple[bool, str]]] = {
     "ch0": check_ch0, "ch2": check_ch2, "ch3": check_ch3, "ch4": check_ch4,
-    "ch6": check_ch6, "ch7": check_ch7, "capstone": check_capstone,
-    "collectives": check_collectives, "matmul": check_matmul, "memory": check_memory}
+    "ch6": check_ch6, "ch7": check_ch7, "ch14": check_ch14,
+    "capstone": check_capstone, "collectives": check_collectives,
+    "matmul": check_matmul, "memory": check_memory}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
