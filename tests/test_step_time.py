@@ -27,6 +27,19 @@ def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=REL, abs_tol=1e-18)
 
 
+def test_the_model_imports_without_torch():
+    # the model must run where torch does not (a browser calculator, the planner)
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dtlib.planner.step_time import predict, mfu\n"
+            "assert 'torch' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 # ---------------------------------------------------------------- two streams
 
 def test_two_streams_hides_a_collective_behind_the_next_chunk():
