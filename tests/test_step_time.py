@@ -276,3 +276,27 @@ def test_exposed_comm_of_a_hand_made_trace():
     assert share_named(events, "ATEN::") == 11.0 / 15.0  # 0-10 and 11-12
     with pytest.raises(ValueError, match="events"):
         exposed_comm([])
+
+
+# ---------------------------------------------------------------- the planner with time
+
+def test_planner_overlap_hides_only_data_parallel_traffic():
+    from dtlib.planner import ClusterSpec, ParallelConfig, estimate
+
+    gpt = ModelSpec(n_layers=24, hidden=2304, n_heads=24, vocab_size=51200,
+                    seq_len=2048)
+    cluster = ClusterSpec.preset("A100-80GB", 32)
+    config = ParallelConfig(dp=32, tp=1, pp=1, recompute="full",
+                            sequence_parallel=False)
+    flat, hidden = (estimate(gpt, cluster, config, 512, overlap=o)
+                    for o in (False, True))
+    # ~1.7B fp16 gradients: many 25 MiB buckets, all but the last behind backward
+    assert 0 < hidden.breakdown.time_s["dp"] < flat.breakdown.time_s["dp"]
+    for term in ("compute", "bubble", "tp", "cp", "pp"):
+        assert hidden.breakdown.time_s[term] == flat.breakdown.time_s[term]
+    # one bucket (a model whose gradients fit in 25 MiB): nothing to hide it behind
+    tiny = ModelSpec(n_layers=2, hidden=256, n_heads=4, vocab_size=256, seq_len=128)
+    small = ParallelConfig(dp=32, tp=1, pp=1)
+    a, b = (estimate(tiny, cluster, small, 32, overlap=o).breakdown.time_s["dp"]
+            for o in (False, True))
+    assert close(a, b)
