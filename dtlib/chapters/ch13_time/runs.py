@@ -157,9 +157,10 @@ def measure_machine(gemm: tuple[int, int, int] = (256, 256, 1024),
     Returns:
         ``flops_alone`` (rank 0 alone, the others waiting: the median of five
         windows), ``flops_roof`` (the best window: the compute roof),
-        ``flops_shared`` (the slowest rank while all compute), ``optimizer_s_per_param`` (rank 0 alone,
-        AdamW), ``fits`` ``{op: (alpha_s, beta_s_per_byte, why_distrusted or
-        None)}``, ``points`` (the timed (op, bytes, seconds)), ``world_size``.
+        ``flops_shared`` (the slowest rank while all compute),
+        ``optimizer_s_per_param`` (rank 0 alone, AdamW), ``fits`` ``{op: (alpha_s,
+        beta_s_per_byte, why_distrusted or None)}``, ``points`` (the timed (op,
+        bytes, seconds)), ``world_size``, ``device`` ("cpu" or "cuda").
 
     Taught in: Chapter 13, "Measuring the machine".
     """
