@@ -278,8 +278,8 @@ def _check_time(strategy: str, n: int, timeout: float) -> tuple[bool, str]:
         return True, "SKIP: one GPU, no NCCL link to fit"
     got = launch.spawn(measure_and_time, n, (strategy,), 5, timeout=timeout,
                        stream=False)[0]
-    machine = machine_from([got["machine"]], cores=None,
-                           name=torch.cuda.get_device_name(0))
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    machine = machine_from([got["machine"]], cores=None, name=name)
     row = compare(got["steps"], machine)[0]
     ok = math.isfinite(row["ratio"]) and row["ratio"] > 0
     return ok, (f"{strategy} on {n} GPUs: measured {row['measured_s'] * 1e3:.2f} ms, "
