@@ -301,3 +301,16 @@ def test_planner_overlap_hides_only_data_parallel_traffic():
     a, b = (estimate(tiny, cluster, small, 32, overlap=o).breakdown.time_s["dp"]
             for o in (False, True))
     assert close(a, b)
+
+
+def test_full_recomputation_adds_one_forward_of_the_layers():
+    w = Workload(MODEL, global_batch=4)
+    full = Workload(MODEL, global_batch=4, recompute="full")
+    t, l, s, h = 4 * 32, 2, 32, 64
+    # one more forward of every layer's matrices (2 T 12h^2) and attention core
+    # (4 T s h), not of the logits: Narayanan et al.'s Eq. 3 against 72/96 of it
+    assert full.flops() - w.flops() == l * (2 * t * 12 * h * h + 4 * t * s * h)
+    assert full.model_flops() == w.model_flops()
+    m = machine(alpha_s=0.0, beta_s_per_byte=0.0)
+    assert close(predict("ddp/bucketed", full, m, 2).compute_s,
+                 full.flops() / 2 / 1e9)

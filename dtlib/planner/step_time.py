@@ -262,7 +262,8 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
                    ) -> tuple[list[float], list[Comm], float]:
     """Compute chunks, collectives and optimizer seconds of DDP, ZeRO, FSDP2."""
     flops = w.flops() / n / rank_flops(m, n)
-    fwd = flops / 3
+    fwd = flops / (4 if w.recompute == "full" else 3)  # full: forward twice
+    bwd = flops - fwd  # backward (and the recomputed forward) is the rest
     e = w.bytes_per_element
     opt_params = w.psi if strategy.startswith("ddp") else w.psi / n
     opt = opt_params * m.optimizer_s_per_param / _share(m, n)
@@ -270,7 +271,7 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
         buckets = [w.psi * e] if strategy == "ddp/naive" else _buckets(w)
         msgs = [w.tensors] if strategy == "ddp/naive" else [1] * len(buckets)
         total = sum(buckets)
-        chunks = [fwd] + [2 * fwd * b / total for b in buckets] + [opt]
+        chunks = [fwd] + [bwd * b / total for b in buckets] + [opt]
         comms = [Comm(m.collective_s("all_reduce", b, n, k),
                       ready_after=(i + 1 if strategy == "ddp/overlapped"
                                    else len(buckets)),
@@ -280,7 +281,7 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
     units = unit_params(w)
     share = [u / sum(units) for u in units]
     if strategy in ("zero-1", "zero-2"):
-        chunks = [fwd] + [2 * fwd * s for s in reversed(share)] + [opt]
+        chunks = [fwd] + [bwd * s for s in reversed(share)] + [opt]
         # zero-1 reduce-scatters in step(); zero-2 in the hook, which waits for it
         # before the backward goes on (ours block: the next chunk needs it)
         k = len(units)
@@ -289,12 +290,12 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
                       k + 1 if strategy == "zero-1" else i + 2,
                       f"reduce-scatter unit {k - 1 - i}")
                  for i, u in enumerate(reversed(units))]
-        comms += [Comm(m.collective_s("all_gather", u * e, n), len(units) + 1,
-                       None, f"all-gather unit {k}") for k, u in enumerate(units)]
+        comms += [Comm(m.collective_s("all_gather", u * e, n), k + 1, None,
+                       f"all-gather unit {j}") for j, u in enumerate(units)]
         return chunks, comms, opt
     # zero-3 and fsdp2: forward per unit, backward per unit in reverse, optimizer
     k = len(units)
-    chunks = [fwd * s for s in share] + [2 * fwd * s for s in reversed(share)] + [opt]
+    chunks = [fwd * s for s in share] + [bwd * s for s in reversed(share)] + [opt]
     prefetch = strategy == "fsdp2"
     comms = []
     for u in range(k):  # forward: gather unit u before its chunk u
