@@ -47,3 +47,61 @@ def test_overlapped_ddp_accepts(answer, capsys) -> None:
 def test_overlapped_ddp_rejects(wrong, says) -> None:
     with pytest.raises(WrongAnswer, match=says):
         st.check_overlapped_ddp(wrong)
+
+
+# ---- predict a step from the measured inputs (the judging half, synthetic inputs) ----
+
+MEASURED = {  # what measure_on_rank returns, in the shape it returns it
+    "machine": {"flops_alone": 2e10, "flops_roof": 2.2e10, "flops_shared": 1.9e10,
+                "optimizer_s_per_param": 4e-8, "world_size": 2, "device": "cpu",
+                "fits": {"all_reduce": (2e-4, 2e-9, None),
+                         "reduce_scatter": (3e-4, 4e-9, None),
+                         "all_gather": (3e-4, 4e-9, "too noisy")}},
+    "step": {"strategy": "ddp/overlapped", "world_size": 2, "step_time_s": 0.5,
+             "n_params": 3_300_000, "n_tensors": 53}}
+
+
+def _two_queues(inp, engine_rule=True, share_rule=True):
+    n, cores = inp["world_size"], inp["cores"]
+    share = 1.0 if cores is None or not share_rule else min(1.0, cores / n)
+    compute = inp["flops"] / n / (inp["flops_per_s"] * share)
+    opt = inp["n_params"] * inp["optimizer_s_per_param"] / share
+    sizes = inp["buckets_bytes"]
+    comm = [2 * (n - 1) * inp["alpha_s"] + 2 * (n - 1) / n * b * inp["beta_s_per_byte"]
+            for b in sizes]
+    shared = cores is not None and n >= cores
+    if (shared and share_rule) or not engine_rule:
+        return compute + opt + sum(comm)
+    done, free = compute / 3, 0.0  # the forward ends, backward chunks follow
+    for b, c in zip(sizes, comm):
+        done += 2 * compute / 3 * b / sum(sizes)
+        free = max(done, free) + c
+    return max(free, compute) + opt
+
+
+def _right(inp):
+    return _two_queues(inp)
+
+
+def _never_overlaps(inp):
+    return _two_queues(inp, engine_rule=False)
+
+
+def _always_overlaps(inp):
+    return _two_queues(inp, share_rule=False)
+
+
+def test_predict_step_accepts_the_model_and_reports_the_measured_ratio() -> None:
+    from dtlib.chapters.ch13_time.runs import compare, machine_from
+
+    ratio = st.judge_predict_step(_right, MEASURED, cores=2)
+    machine = machine_from([MEASURED["machine"]], cores=2)
+    assert ratio == pytest.approx(compare([MEASURED["step"]], machine)[0]["ratio"],
+                                  rel=1e-12)  # the same model, the same inputs
+
+
+@pytest.mark.parametrize("wrong, says", [(_never_overlaps, "adds every bucket"),
+                                         (_always_overlaps, "nothing hides")])
+def test_predict_step_rejects(wrong, says) -> None:
+    with pytest.raises(WrongAnswer, match=says):
+        st.judge_predict_step(wrong, MEASURED, cores=2)

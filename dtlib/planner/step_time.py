@@ -49,8 +49,8 @@ from dtlib.planner.overlap import Comm, Timeline, serial, two_streams
 from dtlib.planner.specs import PRESETS, RECOMPUTE, ModelSpec
 
 __all__ = ["STRATEGIES", "Machine", "Workload", "StepTime", "predict", "mfu",
-           "gpu_machine", "rank_flops", "unit_params", "H100_HBM_BYTES_PER_S",
-           "ADAMW_BYTES_PER_PARAM"]
+           "gpu_machine", "rank_flops", "unit_params", "bucket_bytes",
+           "H100_HBM_BYTES_PER_S", "ADAMW_BYTES_PER_PARAM"]
 
 STRATEGIES = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
               "zero-3", "fsdp2", "tp", "gpipe", "1f1b")
@@ -243,7 +243,7 @@ def unit_params(w: Workload) -> list[int]:
     return [max(w.psi - layers * block, 0)] + [block] * layers
 
 
-def _buckets(w: Workload) -> list[float]:
+def bucket_bytes(w: Workload) -> list[float]:
     """Gradient bytes per DDP bucket in the order they fill (the last layers first)."""
     total = w.psi * w.bytes_per_element
     full, rest = divmod(total, w.bucket_cap_bytes)
@@ -268,7 +268,7 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
     opt_params = w.psi if strategy.startswith("ddp") else w.psi / n
     opt = opt_params * m.optimizer_s_per_param / _share(m, n)
     if strategy.startswith("ddp"):
-        buckets = [w.psi * e] if strategy == "ddp/naive" else _buckets(w)
+        buckets = [w.psi * e] if strategy == "ddp/naive" else bucket_bytes(w)
         msgs = [w.tensors] if strategy == "ddp/naive" else [1] * len(buckets)
         total = sum(buckets)
         chunks = [fwd] + [bwd * b / total for b in buckets] + [opt]
