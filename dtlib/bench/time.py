@@ -5,7 +5,9 @@ the machine's inputs (matmul FLOP/s, AdamW seconds per parameter, Chapter 2's
 alpha-beta fits) and then the median step of every strategy of
 ``dtlib.planner.step_time.STRATEGIES``, each on the same GPT, in one launch per world
 size; each record is ``measured / predicted`` by the pure step-time model with the
-machine's own inputs. Goal: every ratio within 0.75-1.33 on an idle machine.
+machine's own inputs (the compute rate is the GPT's own forward and backward on one
+rank alone, so the ratio prices what each strategy adds to one process). Goal: every
+ratio within 0.75-1.33 on an idle machine.
 
 Taught in: Chapter 13, "Predicted against measured".
 """

@@ -41,6 +41,8 @@ __all__ = ["TIME_GPT", "BUCKET_CAP_MB", "BAND", "FACTORIES", "measure_machine",
 #: ~3M parameters, so that communication and compute are both visible.
 TIME_GPT = GPTConfig(vocab_size=256, seq_len=64, n_layers=4, hidden=256, n_heads=8,
                      tie_weights=False)
+#: The matmul the FLOP/s is timed on: a block's MLP on 256 tokens of width 256.
+GEMM = (256, 256, 1024)
 #: DDP's bucket cap here: several buckets, so the overlap rule has work to do.
 BUCKET_CAP_MB = 4.0
 N_MICRO = 4
@@ -108,6 +110,28 @@ def _matmul_flops(m: int, k: int, n: int, windows: int = 5,
     return statistics.median(rates), max(rates)
 
 
+def _model_flops(cfg: GPTConfig, batch: int, repeats: int = 3) -> float:
+    """FLOP/s one process reaches on the GPT's own forward and backward (no
+    optimizer step): the layers' efficiency beside the matmul roof."""
+    from dtlib.models.gpt import token_batch
+    from dtlib.planner.counts import flops_per_iteration
+
+    dev = ddist.world().device
+    model = build_gpt(cfg, seed=0).to(dev)
+    idx, targets = token_batch(cfg, batch, seed=0, device=dev)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        ddist.sync()
+        t0 = time.perf_counter()
+        model(idx, targets)[1].backward()
+        ddist.sync()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    spec = ModelSpec(n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
+                     vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    return flops_per_iteration(spec, batch, "none") / statistics.median(times[1:])
+
+
 def _optimizer_s_per_param(numel: int = 2**20, calls: int = 5) -> float:
     dev = ddist.world().device
     p = torch.nn.Parameter(torch.zeros(numel, device=dev))
@@ -141,22 +165,27 @@ def _time_collective(op: str, nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_machine(gemm: tuple[int, int, int] = (256, 256, 1024),
+def measure_machine(gemm: tuple[int, int, int] = GEMM,
                     sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**22),
                     ops: tuple[str, ...] = ("all_reduce", "reduce_scatter",
                                             "all_gather"),
-                    repeats: int = 5) -> dict[str, Any]:
+                    repeats: int = 5, cfg: GPTConfig | None = TIME_GPT,
+                    global_batch: int = 8) -> dict[str, Any]:
     """On every rank: the inputs of the step-time model, measured.
 
     Args:
-        gemm: the ``(m, k, n)`` of the matmul timed (default: a block's MLP on 256
-            tokens of width 256).
+        gemm: the ``(m, k, n)`` of the matmul timed (default :data:`GEMM`).
         sizes: message bytes of the collectives' fit.
         ops: the collectives fitted.
         repeats: timed calls per (op, size) (median, slowest rank).
+        cfg, global_batch: the GPT whose own forward and backward rank 0 times
+            alone on a data-parallel rank's rows (``global_batch / world_size``):
+            the FLOP/s the layers reach, which the model computes with; None: the
+            matmul's median.
     Returns:
         ``flops_alone`` (rank 0 alone, the others waiting: the median of five
         windows), ``flops_roof`` (the best window: the compute roof),
+        ``flops_model`` (the GPT's forward and backward, rank 0 alone),
         ``flops_shared`` (the slowest rank while all compute),
         ``optimizer_s_per_param`` (rank 0 alone, AdamW), ``fits`` ``{op: (alpha_s,
         beta_s_per_byte, why_distrusted or None)}``, ``points`` (the timed (op,
@@ -166,11 +195,12 @@ def measure_machine(gemm: tuple[int, int, int] = (256, 256, 1024),
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = ddist.world().device  # NCCL moves only tensors on the rank's GPU
-    alone = torch.zeros(3, dtype=torch.float64, device=dev)
+    alone = torch.zeros(4, dtype=torch.float64, device=dev)
     dist.barrier()
     if rank == 0:
         alone[0], alone[2] = _matmul_flops(*gemm)
         alone[1] = _optimizer_s_per_param()
+        alone[3] = _model_flops(cfg, max(1, global_batch // n)) if cfg else alone[0]
     dist.broadcast(alone, 0)
     dist.barrier()
     shared = _matmul_flops(*gemm)[0]
@@ -185,6 +215,7 @@ def measure_machine(gemm: tuple[int, int, int] = (256, 256, 1024),
                                      [r["time_s"] for r in recs], op, n)
         fits[op] = (alpha, beta, fit_distrust(recs, op, n, alpha, beta))
     return {"flops_alone": float(alone[0]), "flops_roof": float(alone[2]),
+            "flops_model": float(alone[3]),
             "flops_shared": float(t.item()),
             "optimizer_s_per_param": float(alone[1]), "fits": fits,
             "device": dev.type,
@@ -194,6 +225,10 @@ def measure_machine(gemm: tuple[int, int, int] = (256, 256, 1024),
 def machine_from(measured: list[dict[str, Any]], cores: int | None,
                  name: str = "this machine") -> Machine:
     """The model's :class:`Machine` from :func:`measure_machine` at each world size.
+
+    The compute rate is the GPT's own (``flops_model``, the median over world sizes)
+    where measured, else the matmul's: the model then prices what parallelism adds
+    to one process's forward and backward, not the layers' efficiency.
 
     A fit that :func:`fit_distrust` rejects is left out: that (op, world size) falls
     back to the all-reduce fit of the same world size, or to the trusted fits' median.
@@ -212,7 +247,9 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
             fits[("send", n)] = good["all_reduce"]  # one hop costs one alpha-beta
     alphas = sorted(a for a, _ in fits.values()) or [1e-4]
     betas = sorted(b for _, b in fits.values()) or [1e-9]
-    return Machine(name, statistics.median(m["flops_alone"] for m in measured),
+    rate = "flops_model" if all("flops_model" in m for m in measured) \
+        else "flops_alone"
+    return Machine(name, statistics.median(m[rate] for m in measured),
                    alpha_s=alphas[len(alphas) // 2],
                    beta_s_per_byte=betas[len(betas) // 2],
                    optimizer_s_per_param=statistics.median(
@@ -271,11 +308,12 @@ def compare(records: list[dict[str, Any]], machine: Machine,
     """
     out = []
     for r in records:
-        p = predict(r["strategy"], workload_of(cfg, r, global_batch), machine,
-                    r["world_size"])
-        out.append({"strategy": r["strategy"], "world_size": r["world_size"],
+        n = r["world_size"]
+        p = predict(r["strategy"], workload_of(cfg, r, global_batch), machine, n)
+        ratio = r["step_time_s"] / p.total_s
+        out.append({"strategy": r["strategy"], "world_size": n,
                     "measured_s": r["step_time_s"], "predicted_s": p.total_s,
-                    "ratio": r["step_time_s"] / p.total_s,
+                    "ratio": ratio,
                     "compute_s": p.compute_s, "optimizer_s": p.optimizer_s,
                     "exposed_s": p.exposed_s, "bubble_s": p.bubble_s})
     return out
