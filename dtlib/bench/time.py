@@ -18,7 +18,7 @@ import argparse
 import os
 from typing import Any
 
-from dtlib.chapters.ch13_time.runs import (BAND, compare, machine_from,
+from dtlib.chapters.ch13_time.runs import (BAND, TIME_GPT, compare, machine_from,
                                            measure_machine, time_strategies)
 from dtlib.planner.step_time import STRATEGIES
 from dtlib.runtime import launch
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure_and_time(strategies: tuple[str, ...], steps: int) -> dict[str, Any]:
     """On every rank: the machine's inputs, then every strategy's step."""
-    return {"machine": measure_machine(),
+    return {"machine": measure_machine(cfg=TIME_GPT),
             "steps": time_strategies(strategies, steps=steps)}
 
 

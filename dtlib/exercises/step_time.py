@@ -71,10 +71,11 @@ PREDICT_WORLD = 2
 def measure_on_rank() -> dict:
     """On every rank: the machine's inputs and one overlapped-DDP step, measured
     (Chapter 13's page code, fewer sizes and steps)."""
-    from dtlib.chapters.ch13_time.runs import measure_machine, time_strategies
+    from dtlib.chapters.ch13_time.runs import (TIME_GPT, measure_machine,
+                                               time_strategies)
 
     return {"machine": measure_machine(sizes=(2**12, 2**16, 2**20, 2**22),
-                                       repeats=3),
+                                       repeats=3, cfg=TIME_GPT),
             "step": time_strategies(("ddp/overlapped",), steps=2)[0]}
 
 
