@@ -11,7 +11,10 @@ On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
 - ``matmul``: bf16, fp16 and tf32 TFLOP/s at 4096-16384 as a share of the device's
   dense peak (a table of datasheet numbers; an unknown device prints the TFLOP/s only);
 - ``memory``: the caching allocator's peak for one GPT training step against the
-  chapter 1 planner (:func:`dtlib.memory.formulas.estimate`).
+  chapter 1 planner (:func:`dtlib.memory.formulas.estimate`);
+- ``time_ddp``, ``time_fsdp2``: the step-time model's inputs measured on the GPUs
+  (matmul FLOP/s, NCCL's alpha-beta), then the overlapped DDP's and FSDP2's step,
+  measured against predicted (Chapter 13).
 
 A machine without CUDA gets one line saying so and exit status 0: nothing is claimed.
 The whole suite keeps to ``--budget`` seconds (default 480): a check that would start
@@ -38,7 +41,7 @@ from dtlib.runtime.dist import world
 #: Printed lines instead of a table (read by ``python -m dtlib.bench``).
 PRINTS_LINES = True
 CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "ch14", "capstone", "collectives",
-          "matmul", "memory")
+          "matmul", "memory", "time_ddp", "time_fsdp2")
 #: Dense datasheet peaks in TFLOP/s: (bf16, fp16, tf32), matched on the device name.
 PEAKS = (("H100 PCIe", (756.0, 756.0, 378.0)), ("H100", (989.4, 989.4, 494.7)),
          ("H200", (989.4, 989.4, 494.7)), ("GH200", (989.4, 989.4, 494.7)),
@@ -322,11 +325,40 @@ def check_memory(n: int, timeout: float) -> tuple[bool, str]:
                 f"({stats.peak_bytes / 2**30:.2f} vs {plan.total / 2**30:.2f} GiB)")
 
 
+def _check_time(strategy: str, n: int, timeout: float) -> tuple[bool, str]:
+    import math
+
+    from dtlib.bench.time import measure_and_time
+    from dtlib.chapters.ch13_time.runs import compare, machine_from
+
+    if n < 2:
+        return True, "SKIP: one GPU, no NCCL link to fit"
+    got = launch.spawn(measure_and_time, n, (strategy,), 5, timeout=timeout,
+                       stream=False)[0]
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    machine = machine_from([got["machine"]], cores=None, name=name)
+    row = compare(got["steps"], machine)[0]
+    ok = math.isfinite(row["ratio"]) and row["ratio"] > 0
+    return ok, (f"{strategy} on {n} GPUs: measured {row['measured_s'] * 1e3:.2f} ms, "
+                f"predicted {row['predicted_s'] * 1e3:.2f} ms (measured / predicted "
+                f"{row['ratio']:.2f}; matmul "
+                f"{got['machine']['flops_alone'] / 1e12:.1f} TFLOP/s)")
+
+
+def check_time_ddp(n: int, timeout: float) -> tuple[bool, str]:
+    return _check_time("ddp/overlapped", n, timeout)
+
+
+def check_time_fsdp2(n: int, timeout: float) -> tuple[bool, str]:
+    return _check_time("fsdp2", n, timeout)
+
+
 RUNNERS: dict[str, Callable[[int, float], tuple[bool, str]]] = {
     "ch0": check_ch0, "ch2": check_ch2, "ch3": check_ch3, "ch4": check_ch4,
     "ch6": check_ch6, "ch7": check_ch7, "ch14": check_ch14,
     "capstone": check_capstone, "collectives": check_collectives,
-    "matmul": check_matmul, "memory": check_memory}
+    "matmul": check_matmul, "memory": check_memory, "time_ddp": check_time_ddp,
+    "time_fsdp2": check_time_fsdp2}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
