@@ -34,7 +34,8 @@ test: venv
 	    --nbval-lax --nbval-current-env --nbval-cell-timeout=240 tests notebooks
 
 ## The built book as a reader sees it: every page in headless Chromium, offline
-## (tables, typeset math, no CDN asset, no inf/nan, no library frames, alt text);
+## (tables, typeset math, no CDN asset, no inf/nan, no library frames, alt text), no
+## file-access flag; Chapters 1 and 11's live calculators checked against dtlib;
 ## screenshots of each chapter go to _build/screenshots/. Needs `make book` first.
 check-book: venv
 	DTLIB_REQUIRE_BOOK=1 $(BIN)/python -m pytest -v tests/rendered

@@ -57,28 +57,12 @@ def backend_of_world() -> str:
     return ddist.world().backend
 
 
-SCRIPT = """
-import torch, torch.distributed as dist
-from dtlib.runtime import dist as ddist
-world = ddist.init()
-t = torch.ones(1, device=world.device)
-dist.all_reduce(t)
-print("backend", world.backend, "sum", int(t.item()))
-"""
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_spawned_and_torchrun_worlds_agree(world_size, tmp_path):
+def test_spawned_worlds_agree(world_size):
+    """A spawned world agrees on one backend; a torchrun world's agreement is checked
+    by test_launch's streaming run (same code, the rendezvous is env://)."""
     assert launch.spawn(backend_of_world, world_size, timeout=60) == \
         ["gloo"] * world_size
-    if world_size == 2:
-        return  # torchrun's env:// path is the same code at any size: once, at 4
-    script = tmp_path / "hello.py"
-    script.write_text(SCRIPT)  # env:// rendezvous, then the agreement through its store
-    out = launch.torchrun(script, nproc=world_size, timeout=90, stream=False)
-    assert len(out.outputs) == world_size
-    for text in out.outputs.values():
-        assert f"backend gloo sum {world_size}" in text
 
 
 def test_sync_waits_for_cuda_and_is_free_on_cpu(monkeypatch):

@@ -77,19 +77,21 @@ def book_rank_code() -> dict:
     from dtlib.chapters.ch02_collectives import runs as ch02
     from dtlib.chapters.ch06_pipeline_parallel import runs as ch06
 
-    ch02.primitive_states()
+    # At four ranks only what has more roles than at two: a ring with more than one
+    # neighbour pair, and pipeline stages in the middle (neither first nor last).
     ch02.ring_trace_states()
-    ch02.training_step_comms()
     # The tracer front end (torch.export) refuses to trace under a function mode.
     m = dist.get_world_size()  # torch's 1F1B needs m >= stages
     pp = ch06.compare_all(ch06.PP_GPT, batch=2 * m, n_microbatches=m, steps=1,
                           variants=("ours-gpipe", "ours-1f1b", "torch-gpipe",
                                  "torch-1f1b"))
     ch06.timeline_rank(ch06.PP_GPT, 2 * m, m, repeats=1)
+    if dist.get_world_size() > 2:  # the rest does not depend on the world size:
+        return {"loss_diff": max(pp[i]["loss_diff"] for i in pp if i != "ref_losses")}
+    ch02.primitive_states()
+    ch02.training_step_comms()
     bench_coll.time_collectives([4096], list(bench_coll.OPS), budget=0.01)
     bench_launch.hello()
-    if dist.get_world_size() > 2:  # placement does not depend on the world size:
-        return {"loss_diff": max(pp[i]["loss_diff"] for i in pp if i != "ref_losses")}
     # chapters 3, 4 and 5 (what the GPU suite runs on NCCL) once, two steps each.
     from dtlib.bench.zero import train_rank
     from dtlib.chapters.ch03_data_parallel import runs as ch03

@@ -37,7 +37,8 @@ def test_exit_status_fails_on_a_failed_check():
     assert gpu.exit_status([{"status": "PASS"}, {"status": "FAIL"}]) == 1
 
 
-@pytest.mark.parametrize("check", ["ch0", "ch2", "ch3", "ch4", "ch6", "capstone"])
+@pytest.mark.parametrize("check", ["ch0", "ch2", "ch3", "ch4", "ch6", "ch7",
+                                   "ch14", "capstone"])
 def test_each_chapter_check_runs_and_passes_on_gloo(check, monkeypatch):
     monkeypatch.setattr(gpu, "EXPECT_BACKEND", "gloo")
     ok, detail = gpu.RUNNERS[check](2, 200.0)

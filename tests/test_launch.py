@@ -85,20 +85,24 @@ HELLO = """
     import torch, torch.distributed as dist
     from dtlib.runtime import dist as ddist
     world = ddist.init()
-    t = torch.tensor([world.rank + 1.0])
+    t = torch.tensor([world.rank + 1.0], device=world.device)
     dist.all_reduce(t)
+    print("backend", world.backend)
     print("partial", end="")     # text and newline arrive as separate writes
     print(f" line of rank {world.rank}: sum={t.item():.0f}")
 """
 
 
 def test_torchrun_streams_whole_prefixed_lines(tmp_path, capsys) -> None:
+    """Also the backend agreement through torchrun's env:// rendezvous and store
+    (test_backend checks it for spawned worlds; the code is the same at any size)."""
     result = launch.torchrun(_script(tmp_path, HELLO), nproc=4, timeout=90)
     assert result.returncode == 0
     out = capsys.readouterr().out
     for r in range(4):
         assert f"[rank {r}] partial line of rank {r}: sum=10" in out.splitlines()
         assert result.outputs[r].splitlines()[-1] == f"partial line of rank {r}: sum=10"
+        assert result.outputs[r].splitlines()[-2] == "backend gloo"
 
 
 DEADLOCK = """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-BENCHMARKS = ("launch", "collectives", "ddp", "zero", "matmul", "gpu")
+BENCHMARKS = ("launch", "collectives", "ddp", "zero", "matmul", "gpu", "time")
 
 
 def format_table(records: Iterable[dict[str, Any]]) -> str:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib.collectives import cost_model as comm_cost
+from dtlib.collectives.cost_model import fit_distrust
 from dtlib.runtime import launch
 from dtlib.runtime.dist import sync, world
 
@@ -143,44 +144,6 @@ def fits(records: list[dict]) -> list[dict]:
                     "crossover_bytes": cross if math.isfinite(cross) else None,
                     "trusted": why is None, "why": why})
     return out
-
-
-def fit_distrust(records: list[dict], op: str, world_size: int, alpha: float,
-                 beta: float, max_error: float = 0.5) -> str | None:
-    """Why an alpha-beta fit should not be quoted, or None when it can be.
-
-    A fit is trusted when both terms are positive, the line follows the measured times
-    (median relative error below ``max_error``) and the largest message is at least
-    twice the crossover size, so the bandwidth-bound regime was actually measured.
-
-    Args:
-        records: the timed records of one (op, variant): ``bytes`` and ``time_s``.
-        op, world_size: the collective and the number of ranks it ran on.
-        alpha, beta: the fitted latency (s) and time per byte (s/B).
-    Returns:
-        A sentence a reader can be shown, or None.
-
-    Taught in: Chapter 2, "The cost model against measurement".
-    """
-    if beta <= 0:
-        return ("the time did not grow with the message size, so no bandwidth term "
-                "could be fitted")
-    if alpha <= 0:
-        return "the smallest messages showed no latency term"
-    errors = sorted(abs(comm_cost.collective_time("ring", op, r["bytes"], world_size,
-                                                  alpha, beta) - r["time_s"])
-                    / r["time_s"] for r in records)
-    median = errors[len(errors) // 2]
-    if median > max_error:
-        return (f"the line misses the measured times by {median:.0%} (median): the "
-                "machine was too noisy for a fit")
-    cross = comm_cost.latency_bandwidth_crossover(op, world_size, alpha, beta)
-    largest = max(r["bytes"] for r in records)
-    if largest < 2 * cross:
-        return (f"the largest message ({largest / 2**20:.0f} MiB) is below twice the "
-                f"fitted crossover ({cross / 2**20:.1f} MiB): the bandwidth-bound "
-                "regime was not reached")
-    return None
 
 
 def ratios(records: list[dict]) -> list[dict]:

@@ -2,15 +2,20 @@
 
 On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
 
-- chapters 0, 2, 3, 4, 6 and the capstone (on a token file, ``--attention sdpa``),
+- chapters 0, 2, 3, 4, 6, 14 and the capstone (on a token file, ``--attention sdpa``),
   each compared with one process (or, for chapter 2's primitives, with the same
   ranks on gloo), as the CPU tests do;
+- ``ch7``: the book's ZeRO-3 under the bf16 ``MixedPrecisionPolicy`` against FSDP2's
+  under the same policy on the same NCCL ranks, and the bytes of its collectives;
 - ``collectives``: bus bandwidth of ``all_reduce`` (nccl-tests' busbw = algbw x
   2(n-1)/n) and the from-scratch ring's share of it;
 - ``matmul``: bf16, fp16 and tf32 TFLOP/s at 4096-16384 as a share of the device's
   dense peak (a table of datasheet numbers; an unknown device prints the TFLOP/s only);
 - ``memory``: the caching allocator's peak for one GPT training step against the
-  chapter 1 planner (:func:`dtlib.memory.formulas.estimate`).
+  chapter 1 planner (:func:`dtlib.memory.formulas.estimate`);
+- ``time_ddp``, ``time_fsdp2``: the step-time model's inputs measured on the GPUs
+  (matmul FLOP/s, NCCL's alpha-beta), then the overlapped DDP's and FSDP2's step,
+  measured against predicted (Chapter 13).
 
 A machine without CUDA gets one line saying so and exit status 0: nothing is claimed.
 The whole suite keeps to ``--budget`` seconds (default 480): a check that would start
@@ -36,8 +41,8 @@ from dtlib.runtime.dist import world
 
 #: Printed lines instead of a table (read by ``python -m dtlib.bench``).
 PRINTS_LINES = True
-CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "capstone", "collectives", "matmul",
-          "memory")
+CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "ch14", "capstone", "collectives",
+          "matmul", "memory", "time_ddp", "time_fsdp2")
 #: Dense datasheet peaks in TFLOP/s: (bf16, fp16, tf32), matched on the device name.
 PEAKS = (("H100 PCIe", (756.0, 756.0, 378.0)), ("H100", (989.4, 989.4, 494.7)),
          ("H200", (989.4, 989.4, 494.7)), ("GH200", (989.4, 989.4, 494.7)),
@@ -113,6 +118,23 @@ def pipeline_rank() -> dict[str, Any]:
             for k, v in out.items()}
 
 
+def experts_rank(moe: Any, steps: int) -> dict[str, Any]:
+    """Chapter 14: the expert-parallel MoE layer (k = 1, 2, with and without
+    dropping) and the MoE GPT trained with experts over every rank."""
+    from dataclasses import replace
+
+    from dtlib.chapters.ch14_experts.runs import layer_check, train_moe
+    from dtlib.expert_parallel import parallelism as ep_parallelism
+    from dtlib.models.sizes import size
+
+    n = dist.get_world_size()
+    layers = {(k, cf): layer_check(replace(moe, top_k=k, capacity_factor=cf))
+              for k, cf in ((1, None), (2, None), (2, 1.0))}
+    run = train_moe(ep_parallelism(ep=n), size("tiny"), moe, n, steps)
+    return {"layers": layers, "losses": run.losses, "grads": run.grads,
+            "params": run.params}
+
+
 # ---- the checks: each returns (ok, detail) -------------------------------------------
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -167,6 +189,21 @@ def check_ch4(n: int, timeout: float) -> tuple[bool, str]:
                 + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
+def check_ch7(n: int, timeout: float) -> tuple[bool, str]:
+    from dtlib.chapters.ch07_mixed_precision.across_ranks import compare_variants
+
+    res = launch.spawn(compare_variants, n, "bf16", timeout=timeout, stream=False)
+    worst = {k: max(r[k] for r in res) for k in ("grad", "param")}
+    r = res[0]
+    ok = (worst["grad"] <= r["rel_grad"] and worst["param"] <= r["rel_param"]
+          and r["all_gather"] == 2 * 2 * r["n_params"]  # bf16: 2 bytes, 2 gathers
+          and r["reduce_scatter"] == 4 * r["n_params"])  # fp32 reduction
+    return ok, (f"bf16 policy, ours vs FSDP2 on {n} ranks, relative to the largest "
+                f"gradient: grads {worst['grad']:.1e} (<= {r['rel_grad']:.1e}), params "
+                f"{worst['param']:.1e} (<= {r['rel_param']:.1e}); bytes a step: "
+                f"all-gather {r['all_gather']}, reduce-scatter {r['reduce_scatter']}")
+
+
 def check_ch6(n: int, timeout: float) -> tuple[bool, str]:
     res = launch.spawn(pipeline_rank, n, timeout=timeout, stream=False)
     worst = {k: {d: max(r[k][d] for r in res) for d in res[0][k]} for k in res[0]}
@@ -175,6 +212,29 @@ def check_ch6(n: int, timeout: float) -> tuple[bool, str]:
     return ok, (f"{n} stages vs one process: "
                 + ", ".join(f"{k} loss {w['loss_diff']:.1e} grad {w['grad_diff']:.1e}"
                             for k, w in worst.items()))
+
+
+def check_ch14(n: int, timeout: float) -> tuple[bool, str]:
+    from dataclasses import replace
+
+    from dtlib.chapters.ch14_experts.runs import layer_reference, reference_moe_run
+    from dtlib.expert_parallel import MoEConfig
+    from dtlib.models.sizes import size
+
+    moe, steps = MoEConfig(n_experts=2 * n), 3
+    res = launch.spawn(experts_rank, n, moe, steps, timeout=timeout, stream=False)
+    worst = 0.0
+    for (k, cf), _ in res[0]["layers"].items():
+        ref = layer_reference(replace(moe, top_k=k, capacity_factor=cf), n)
+        out = torch.cat([r["layers"][k, cf]["out"] for r in res])
+        worst = max(worst, float((out - ref["out"]).abs().max()))
+    ref = reference_moe_run(size("tiny"), moe, n, steps, n)
+    loss = max(abs(a - b) for r in res for a, b in zip(r["losses"], ref.losses))
+    grad = max(_max_diff(r["grads"], ref.grads) for r in res)
+    param = max(_max_diff(r["params"], ref.params) for r in res)
+    ok = max(worst, grad) <= GRAD_ATOL and loss <= LOSS_ATOL and param <= 1e-4
+    return ok, (f"MoE layer and GPT, experts over {n} ranks vs one process: layer out "
+                f"{worst:.1e}, loss {loss:.1e}, grad {grad:.1e}, param {param:.1e}")
 
 
 def check_capstone(n: int, timeout: float) -> tuple[bool, str]:
@@ -271,10 +331,40 @@ def check_memory(n: int, timeout: float) -> tuple[bool, str]:
                 f"({stats.peak_bytes / 2**30:.2f} vs {plan.total / 2**30:.2f} GiB)")
 
 
+def _check_time(strategy: str, n: int, timeout: float) -> tuple[bool, str]:
+    import math
+
+    from dtlib.bench.time import measure_and_time
+    from dtlib.chapters.ch13_time.runs import compare, machine_from
+
+    if n < 2:
+        return True, "SKIP: one GPU, no NCCL link to fit"
+    got = launch.spawn(measure_and_time, n, (strategy,), 5, timeout=timeout,
+                       stream=False)[0]
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    machine = machine_from([got["machine"]], cores=None, name=name)
+    row = compare(got["steps"], machine)[0]
+    ok = math.isfinite(row["ratio"]) and row["ratio"] > 0
+    return ok, (f"{strategy} on {n} GPUs: measured {row['measured_s'] * 1e3:.2f} ms, "
+                f"predicted {row['predicted_s'] * 1e3:.2f} ms (measured / predicted "
+                f"{row['ratio']:.2f}; matmul "
+                f"{got['machine']['flops_alone'] / 1e12:.1f} TFLOP/s)")
+
+
+def check_time_ddp(n: int, timeout: float) -> tuple[bool, str]:
+    return _check_time("ddp/overlapped", n, timeout)
+
+
+def check_time_fsdp2(n: int, timeout: float) -> tuple[bool, str]:
+    return _check_time("fsdp2", n, timeout)
+
+
 RUNNERS: dict[str, Callable[[int, float], tuple[bool, str]]] = {
     "ch0": check_ch0, "ch2": check_ch2, "ch3": check_ch3, "ch4": check_ch4,
-    "ch6": check_ch6, "capstone": check_capstone, "collectives": check_collectives,
-    "matmul": check_matmul, "memory": check_memory}
+    "ch6": check_ch6, "ch7": check_ch7, "ch14": check_ch14,
+    "capstone": check_capstone, "collectives": check_collectives,
+    "matmul": check_matmul, "memory": check_memory, "time_ddp": check_time_ddp,
+    "time_fsdp2": check_time_fsdp2}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

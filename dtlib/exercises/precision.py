@@ -243,3 +243,129 @@ def judge_scaler_steps(ranks: list[list[Any]]) -> None:
                                   "(divided by the scale the loss was multiplied by).")
     passed("both ranks skip together on inf and NaN and update scale and tracker like "
            f"GradScaler, over {len(SCALER_CASES)} sequences")
+
+
+# ---- a reduce-scatter in reduce_dtype into fp32 master shards ------------------------
+
+#: The dtypes the checker asks the reduce-scatter in, one case each.
+REDUCE_CASES = (torch.float32, torch.bfloat16)
+_GRAD_NUMEL = 24  # divides 2 and 4 ranks
+
+
+def rank_gradient(case: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s full flat bf16 gradient of case ``case`` (the same on every
+    call): normal values whose sums need more than bf16's 8 significant bits.
+
+    Taught in: Chapter 7, exercise "A reduce-scatter in reduce_dtype".
+    """
+    gen = torch.Generator().manual_seed(1000 + 10 * case + rank)
+    return torch.randn(_GRAD_NUMEL, generator=gen).to(torch.bfloat16)
+
+
+def grad_shard_truth(case: int, world_size: int, reduce_dtype: torch.dtype
+                     ) -> list[torch.Tensor]:
+    """Every rank's averaged fp32 gradient shard, the sum done in ``reduce_dtype``
+    (bf16: rounded after each addition, in rank order; the division by a power of
+    two is exact).
+
+    Taught in: Chapter 7, exercise "A reduce-scatter in reduce_dtype".
+    """
+    grads = [rank_gradient(case, r) for r in range(world_size)]
+    if reduce_dtype == torch.float32:
+        mean = (torch.stack([g.double() for g in grads]).sum(0) / world_size).float()
+    else:
+        acc = grads[0].to(reduce_dtype)
+        for g in grads[1:]:
+            acc = (acc.double() + g.double()).to(reduce_dtype)
+        mean = (acc / world_size).float()
+    return list(mean.chunk(world_size))
+
+
+def grad_shards_on_rank(reduce: Callable[..., torch.Tensor]) -> list[Any]:
+    """On every rank: the learner's ``reduce(grad, reduce_dtype)`` for each of
+    :data:`REDUCE_CASES`, given this rank's bf16 gradient.
+
+    Returns:
+        Per case ``("ok", shard on the CPU)`` or ``("bad", message)``.
+
+    Taught in: Chapter 7, exercise "A reduce-scatter in reduce_dtype".
+    """
+    import torch.distributed as dist
+
+    from dtlib.runtime.dist import world
+
+    out: list[Any] = []
+    for case, reduce_dtype in enumerate(REDUCE_CASES):
+        grad = rank_gradient(case, dist.get_rank()).to(world().device)
+        try:
+            shard = reduce(grad.clone(), reduce_dtype)
+        except (TypeError, ValueError, RuntimeError) as err:
+            out.append(("bad", f"{type(err).__name__}: {err}"))
+            continue
+        if not torch.is_tensor(shard):
+            out.append(("bad", f"returned {type(shard).__name__}, not a tensor"))
+            continue
+        out.append(("ok", shard.detach().cpu()))
+    return out
+
+
+def judge_grad_shards(ranks: list[list[Any]]) -> None:
+    """Raise :class:`WrongAnswer` unless every rank's shard of every case is its
+    averaged fp32 gradient shard, reduced in the dtype asked; say so if they are.
+
+    The sum of two bf16 values is exact in fp32 (8 significant bits each), so the
+    fp32 truth is exact up to one rounding (tolerance 4 u32 of the largest element);
+    a bf16 sum rounds about half of the elements by up to 2**-9 relative, far more.
+
+    Taught in: Chapter 7, exercise "A reduce-scatter in reduce_dtype".
+    """
+    n = len(ranks)
+    for case, reduce_dtype in enumerate(REDUCE_CASES):
+        asked = str(reduce_dtype).removeprefix("torch.")
+        truth = grad_shard_truth(case, n, reduce_dtype)
+        other = grad_shard_truth(case, n, REDUCE_CASES[1 - case])
+        tol = 4 * 2.0 ** -24 * max(float(t.abs().max()) for t in truth)
+        for rank, (status, got) in enumerate(r[case] for r in ranks):
+            where = f"reduce_dtype={asked}, rank {rank}"
+            if status == "bad":
+                raise WrongAnswer(f"{where}: {got}")
+            if got.dtype != torch.float32:
+                raise WrongAnswer(f"{where}: the shard is {got.dtype}.",
+                                  "the master gradient shard is fp32 whatever dtype "
+                                  "the reduce-scatter ran in: cast the result up")
+            if got.shape != truth[rank].shape:
+                raise WrongAnswer(f"{where}: shape {tuple(got.shape)}; each rank keeps "
+                                  f"1/{n} of the flat gradient.")
+
+            def near(want: torch.Tensor) -> bool:
+                return bool((got - want).abs().max() <= tol)
+
+            if near(truth[rank]):
+                continue
+            if near(other[rank]):
+                raise WrongAnswer(
+                    f"{where}: your shard is the sum done in "
+                    f"{str(REDUCE_CASES[1 - case]).removeprefix('torch.')}.",
+                    f"cast the gradient to reduce_dtype ({asked}) before the "
+                    "reduce-scatter: the collective sums in its input's dtype")
+            if near(truth[rank] * n):
+                raise WrongAnswer(f"{where}: the shard is {n} times too large.",
+                                  "the reduce-scatter sums; the gradient is the "
+                                  "average over the ranks")
+            if any(near(t) for r, t in enumerate(truth) if r != rank):
+                raise WrongAnswer(f"{where}: that is another rank's shard.",
+                                  "rank r keeps elements [r * n, (r + 1) * n) of the "
+                                  "flat gradient")
+            raise WrongAnswer(f"{where}: the shard is not the averaged gradient.")
+    passed(f"fp32 master gradient shards on {n} ranks, reduced in fp32 and in bf16 "
+           "as asked")
+
+
+@checker
+def check_grad_shard_reduce(reduce: Callable[..., torch.Tensor]) -> None:
+    """Check ``reduce(grad, reduce_dtype)`` -> this rank's averaged gradient shard in
+    fp32, on two real ranks: ``grad`` is the rank's full flat bf16 gradient, the
+    reduce-scatter must run in ``reduce_dtype`` (fp32, then bf16).
+    """
+    judge_grad_shards(run_on_ranks(grad_shards_on_rank, reduce, 2,
+                                   what="your reduce-scatter"))

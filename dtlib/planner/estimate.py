@@ -1,7 +1,14 @@
 """Step time, throughput and memory of one parallel configuration.
 
-Step time is a sum; nothing overlaps, so it is an upper bound that states what
-each part costs (Narayanan et al. 2021 measure how much overlap recovers):
+Step time is a sum; by default nothing overlaps, so it is an upper bound that
+states what each part costs (Narayanan et al. 2021 measure how much overlap
+recovers). With ``overlap=True`` the data-parallel traffic follows Chapter 13's
+overlap rules (``planner.overlap.two_streams``): ZeRO 0-2's gradient buckets
+(25 MiB) hide behind the last micro-batch's backward except the last bucket
+(ZeRO 1-2's parameter all-gather after the step stays exposed); ZeRO-3 gathers
+layer i+1 behind layer i, forward and backward, and reduce-scatters layer i behind
+layer i-1's backward. Tensor-, context- and pipeline-parallel traffic stays on the
+critical path either way.
 
 - compute: FLOPs per iteration (``counts.flops_per_iteration``) over
   n_gpus x peak_flops x compute_efficiency;
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 from dtlib.collectives.cost_model import collective_time
 
 from dtlib.planner.counts import flops_per_iteration, param_count
+from dtlib.planner.overlap import Comm, two_streams
 from dtlib.planner.footprint import memory_breakdown
 from dtlib.planner.specs import ClusterSpec, ModelSpec, ParallelConfig
 
@@ -191,8 +199,46 @@ def _communication(model: ModelSpec, cluster: ClusterSpec, c: ParallelConfig,
     return t, used
 
 
+#: DDP's (and DeepSpeed's) default bucket: the unit gradients travel in.
+BUCKET_BYTES = 25 * 2**20
+
+
+def _exposed_dp(model: ModelSpec, cluster: ClusterSpec, c: ParallelConfig,
+                n_params: int, m: int, compute_s: float, bw: float) -> float:
+    """Seconds of data-parallel traffic nothing hides, under Chapter 13's rules."""
+    n_dp = c.dp * c.cp
+    if n_dp == 1:
+        return 0.0
+    grads = 2 * -(-n_params // (c.tp * c.pp))  # 16-bit, this rank's share
+    passes = 4 if c.recompute == "full" else 3  # forward + backward (+ recompute)
+    per_mb = compute_s / m  # one micro-batch on this rank
+    if c.zero_stage in (0, 1, 2):
+        op = "all_reduce" if c.zero_stage == 0 else "reduce_scatter"
+        k = max(1, math.ceil(grads / BUCKET_BYTES))
+        backward = [per_mb * (passes - 1) / passes / k] * k
+        comms = [Comm(_ring(op, grads / k, n_dp, bw, cluster), ready_after=i)
+                 for i in range(k)]
+        exposed = two_streams(backward, comms).exposed_s
+        if c.zero_stage:
+            exposed += _ring("all_gather", grads, n_dp, bw, cluster)
+        return exposed
+    layers = math.ceil(model.n_layers / c.pp)
+    unit = grads / layers
+    gather = _ring("all_gather", unit, n_dp, bw, cluster)
+    scatter = _ring("reduce_scatter", unit, n_dp, bw, cluster)
+    fwd = [per_mb / passes / layers] * layers
+    bwd = [per_mb * (passes - 1) / passes / layers] * layers
+    comms = [Comm(gather, u - 2 if u else -1, u) for u in range(layers)]
+    for j in range(layers):  # backward chunk layers + j, gathered one ahead
+        comms.append(Comm(gather, layers + j - 2, layers + j))
+        if j:
+            comms.append(Comm(scatter, layers + j - 1))
+    comms.append(Comm(scatter, 2 * layers - 1))
+    return m * two_streams(fwd + bwd, comms).exposed_s
+
+
 def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
-             global_batch: int) -> Estimate:
+             global_batch: int, overlap: bool = False) -> Estimate:
     """Memory, step time and throughput of one configuration.
 
     Args:
@@ -200,6 +246,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         cluster: the :class:`ClusterSpec`; its n_gpus must equal dp*cp*pp*tp.
         config: the :class:`ParallelConfig`.
         global_batch: sequences per iteration, a multiple of dp * micro_batch.
+        overlap: price the data-parallel traffic by Chapter 13's overlap rules
+            (what nothing hides) instead of in full.
     Returns:
         An :class:`Estimate`.
 
@@ -214,6 +262,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     time_s = {"compute": flops / rate,
               "bubble": flops / rate * (config.pp - 1) / m}
     comm, links = _communication(model, cluster, config, n_params, m)
+    if overlap:
+        dp_bw = cluster.intra_node_bw if links.get("dp") == "intra" \
+            else cluster.inter_node_bw
+        comm["dp"] = _exposed_dp(model, cluster, config, n_params, m,
+                                 time_s["compute"], dp_bw)
     time_s.update(comm)
     limit = cluster.memory_bytes - cluster.reserved_bytes
     step = sum(time_s.values())

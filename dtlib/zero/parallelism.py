@@ -59,16 +59,21 @@ class ZeroParallelism(_DataParallelRows):
     """
 
     def __init__(self, stage: int, group: Any = None,
-                 unit_modules: list[nn.Module] | None = None) -> None:
+                 unit_modules: list[nn.Module] | None = None,
+                 mp_policy: MixedPrecisionPolicy | None = None) -> None:
         super().__init__(group)
+        if mp_policy is not None and stage != 3:
+            raise ValueError(f"mp_policy needs stage=3, got stage={stage!r}")
         self.stage, self.group, self.unit_modules = stage, group, unit_modules
+        self.mp_policy = mp_policy
         self.name = f"zero-{stage}"
         self.optimizer: Any = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         if self.stage < 3:
             return model  # the optimizer shards itself
-        return FullyShardedModule(model, self.group, self.unit_modules)
+        return FullyShardedModule(model, self.group, self.unit_modules,
+                                  self.mp_policy)
 
     def make_optimizer(self, wrapped: nn.Module, optimizer_class: type,
                        params: Any = None, **kwargs: Any) -> torch.optim.Optimizer:
@@ -168,7 +173,8 @@ def parallelism(stage: int, *, variant: str = "ours", group: Any = None,
             or ``"fsdp2"`` (torch's ``fully_shard``).
         group: the data-parallel process group (default: the world).
         mesh: FSDP2 only: the 1-D ``DeviceMesh`` to shard over (e.g. ``mesh["dp"]``).
-        mp_policy: FSDP2 only: e.g. :func:`dtlib.zero.fsdp.bf16_policy`.
+        mp_policy: stage 3: e.g. :func:`dtlib.zero.fsdp.bf16_policy` (the same
+            ``MixedPrecisionPolicy`` for both variants).
         unit_modules: the submodules sharded as separate units (default: each
             block).
         reshard_after_forward: FSDP2 only: False keeps the gathered parameters from
@@ -188,7 +194,10 @@ def parallelism(stage: int, *, variant: str = "ours", group: Any = None,
     if variant == "fsdp2":
         return FSDP2Parallelism(group, mesh, mp_policy, unit_modules,
                                 reshard_after_forward)
-    if mesh is not None or mp_policy is not None or not reshard_after_forward:
-        raise ValueError("mesh, mp_policy and reshard_after_forward=False need "
+    if mesh is not None or not reshard_after_forward:
+        raise ValueError("mesh and reshard_after_forward=False need "
                          "variant='fsdp2'")
-    return ZeroParallelism(stage, group, unit_modules)
+    if mp_policy is not None and stage != 3:
+        raise ValueError(f"mp_policy needs stage=3 (or variant='fsdp2'), got "
+                         f"stage={stage!r}")
+    return ZeroParallelism(stage, group, unit_modules, mp_policy)

@@ -68,16 +68,27 @@ class ShardedUnits:
         unit_modules: submodules sharded as separate units (default: the elements of
             each outermost ``nn.ModuleList``).
         params: shard only these parameters of ``module`` (default: all of them).
+        param_dtype: stage 3: the dtype parameters are all-gathered and computed in
+            (None: the master dtype; the shards stay in it, Chapter 7).
+        reduce_dtype: stage 3: the dtype gradients are reduce-scattered in (None:
+            the dtype backward produced them in).
 
-    Taught in: Chapter 4, "The three stages".
+    Taught in: Chapter 4, "The three stages"; the dtypes: Chapter 7, "Mixed
+    precision across ranks".
     """
 
     def __init__(self, module: nn.Module, stage: int, group: Any = None,
                  unit_modules: list[nn.Module] | None = None,
-                 params: Iterable[nn.Parameter] | None = None) -> None:
+                 params: Iterable[nn.Parameter] | None = None,
+                 param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage!r} is not supported; allowed: 1, 2, 3")
+        if stage != 3 and (param_dtype, reduce_dtype) != (None, None):
+            raise ValueError(f"param_dtype and reduce_dtype need stage=3, got "
+                             f"stage={stage!r}")
         self.module, self.stage, self.group = module, stage, group
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
@@ -120,6 +131,9 @@ class ShardedUnits:
         shard = flat[unit.lo:unit.hi]
         # stage 3: the shard owns its storage, the full buffer goes
         unit.shard = shard.clone() if self.stage == 3 else shard
+        if self.param_dtype not in (None, flat.dtype):
+            # the master shard keeps its dtype; only the gathered buffer is 16-bit
+            unit.flat_param = flat.to(self.param_dtype)
         unit.make_pieces()
         unit.point_at_full()  # the module now reads its parameters from the buffer
         if self.stage == 1:
@@ -178,13 +192,24 @@ class ShardedUnits:
             dist.broadcast(t, src=src, group=self.group)
 
     def reduce_scatter_mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the average over ranks of ``flat`` (padded, 1-D)."""
+        """This rank's shard of the average over ranks of ``flat`` (padded, 1-D).
+
+        In fp16 (largest value 65504) the sum of N gradients can overflow where
+        their mean would not: as FSDP2 does, ``flat`` is divided by about sqrt(N)
+        (a power of two, exact) before the sum and by the rest after it.
+        """
         if self.world_size == 1:
             return flat.clone()
         out = torch.empty(flat.numel() // self.world_size, dtype=flat.dtype,
                           device=flat.device)
+        pre = 1
+        while flat.dtype == torch.float16 and self.world_size % (2 * pre) == 0 \
+                and self.world_size / pre > pre:
+            pre *= 2
+        if pre > 1:
+            flat = flat / pre
         reduce_scatter_into(out, flat, group=self.group)
-        return out.div_(self.world_size)
+        return out.div_(self.world_size // pre)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """Every rank's ``shard``, in rank order, into ``out``."""
@@ -252,7 +277,11 @@ class ShardedUnits:
         """Stages 2-3: reduce-scatter a complete bucket and drop its full gradients."""
         if self.stage == 3:
             self.check_same_collective("reduce-scatter", unit)
-        flat = unit.layout.flatten([p.grad for p in unit.params])
+        grads = [p.grad for p in unit.params]
+        # in reduce_dtype, else in the dtype backward produced (param_dtype)
+        dtype = self.reduce_dtype or next((g.dtype for g in grads if g is not None),
+                                          None)
+        flat = unit.layout.flatten(grads, dtype=dtype)
         for p in unit.params:
             p.grad = None  # the full gradient of this bucket is freed here
         unit.grad_shard.add_(self.reduce_scatter_mean(flat))

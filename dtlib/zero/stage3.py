@@ -31,7 +31,14 @@ ranks only (a data-dependent branch, an MoE expert with no tokens) breaks that, 
 stage-3 collective is preceded by a tiny all-gather of (operation, unit) that turns a
 mismatch into an error naming the units on every rank, instead of a hang.
 
-Taught in: Chapter 4, ZeRO-3.
+Mixed precision (``mp_policy``, the fields of FSDP2's ``MixedPrecisionPolicy``): the
+shards, ``.grad`` and the optimizer stay in the master dtype; each rank casts its
+shard to ``param_dtype`` and all-gathers that (half the bytes in 16 bits), forward
+and backward run in it, and the gradients are cast to ``reduce_dtype`` for the
+reduce-scatter, then added to the master-dtype gradient shard.
+
+Taught in: Chapter 4, ZeRO-3; mixed precision: Chapter 7, "Mixed precision across
+ranks".
 """
 
 from __future__ import annotations
@@ -42,10 +49,15 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from dtlib.zero.fsdp import MixedPrecisionPolicy
 from dtlib.zero.shards import ShardedUnits
 from dtlib.zero.units import Unit, free_flat
 
-__all__ = ["FullyShardedModule", "gather_flat", "install_stage3_hooks"]
+#: What ``param_dtype``, ``reduce_dtype`` and ``output_dtype`` may be (None: as is).
+POLICY_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+__all__ = ["FullyShardedModule", "gather_flat", "install_stage3_hooks",
+           "POLICY_DTYPES", "cast_floats"]
 
 
 def gather_flat(units: ShardedUnits, unit: Unit) -> None:
@@ -55,7 +67,8 @@ def gather_flat(units: ShardedUnits, unit: Unit) -> None:
         units.check_same_collective("all-gather", unit)
         flat = unit.flat_param
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        units.all_gather(flat, unit.shard.detach())
+        # mixed precision: the fp32 master shard is cast down, then gathered
+        units.all_gather(flat, unit.shard.detach().to(flat.dtype))
         unit.gathered = True
     unit.point_at_full()
 
@@ -68,6 +81,20 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for item in out.values() for t in _tensors(item)]
     return []
+
+
+def cast_floats(x: Any, dtype: torch.dtype | None) -> Any:
+    """``x`` with every floating-point tensor in it (lists, tuples, dicts) cast to
+    ``dtype`` (None: unchanged); what FSDP2 does to inputs and outputs."""
+    if dtype is None:
+        return x
+    if torch.is_tensor(x):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(cast_floats(item, dtype) for item in x)
+    if isinstance(x, dict):
+        return {k: cast_floats(v, dtype) for k, v in x.items()}
+    return x
 
 
 def install_stage3_hooks(units: ShardedUnits) -> None:
@@ -119,15 +146,31 @@ class FullyShardedModule(nn.Module):
         group: the process group to shard over (default: the world).
         unit_modules: submodules gathered as separate units (default: the elements
             of each outermost ``nn.ModuleList``, e.g. transformer blocks).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` (the same object works for
+            both): ``param_dtype`` (all-gather and compute), ``reduce_dtype``
+            (reduce-scatter; None: ``param_dtype``), ``output_dtype`` (the
+            forward's floating outputs), ``cast_forward_inputs`` (floating inputs
+            to ``param_dtype``). None, or every dtype None: fp32 throughout, the
+            bytes and collectives of Chapter 4.
 
-    Taught in: Chapter 4, ZeRO-3.
+    Taught in: Chapter 4, ZeRO-3; ``mp_policy``: Chapter 7, "Mixed precision across
+    ranks".
     """
 
     def __init__(self, module: nn.Module, group: Any = None,
-                 unit_modules: list[nn.Module] | None = None) -> None:
+                 unit_modules: list[nn.Module] | None = None,
+                 mp_policy: MixedPrecisionPolicy | None = None) -> None:
         super().__init__()
         self.module = module
-        self.units = ShardedUnits(module, 3, group, unit_modules)
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self.mp_policy, field, None)
+            if value not in POLICY_DTYPES:
+                raise ValueError(f"mp_policy.{field}={value!r} not allowed; allowed: "
+                                 f"{POLICY_DTYPES}")
+        self.units = ShardedUnits(module, 3, group, unit_modules,
+                                  param_dtype=self.mp_policy.param_dtype,
+                                  reduce_dtype=self.mp_policy.reduce_dtype)
         self._pieces = [(name, pc.param) for u in self.units.units
                         for pc in u.pieces
                         for name in [u.layout.names[pc.index]]]
@@ -139,7 +182,10 @@ class FullyShardedModule(nn.Module):
         install_stage3_hooks(self.units)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), policy.param_dtype)
+        return cast_floats(self.module(*args, **kwargs), policy.output_dtype)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True
@@ -192,16 +238,32 @@ class FullyShardedModule(nn.Module):
 
         Taught in: Chapter 4, ZeRO-3.
         """
+        # the master values, not the 16-bit compute copy (mixed precision)
+        full = {u.index: self._gather_master(u) for u in self.units.units
+                if u.flat_param.dtype != u.shard.dtype}
         for unit in self.units.units:
-            gather_flat(self.units, unit)
+            if unit.index in full:
+                for p, v in zip(unit.params, unit.layout.views(full[unit.index])):
+                    p.data = v
+            else:
+                gather_flat(self.units, unit)
         try:
             yield
         finally:
             for unit in self.units.units:
+                flat = full.get(unit.index, unit.flat_param)
                 if writeback:
-                    unit.shard.copy_(unit.flat_param[unit.lo:unit.hi])
-                free_flat(unit)
+                    unit.shard.copy_(flat[unit.lo:unit.hi])
+                if unit.index not in full:
+                    free_flat(unit)
                 unit.point_at_shard()
+
+    def _gather_master(self, unit: Unit) -> torch.Tensor:
+        """The unit's full parameters in the master dtype (a new buffer)."""
+        flat = torch.empty(unit.layout.padded_numel, dtype=unit.shard.dtype,
+                           device=unit.shard.device)
+        self.units.all_gather(flat, unit.shard.detach())
+        return flat
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The inner module's full state dict (gathered, on every rank)."""

@@ -314,6 +314,17 @@ class Browser:
         self.wait_event("Page.loadEventFired", timeout)
         self.capture(timeout=timeout)
 
+    @classmethod
+    def warm(cls, binary: str) -> "Browser":
+        """A started browser, already :meth:`warm_up`-ed (closed again if that fails)."""
+        browser = cls(binary)
+        try:
+            browser.warm_up()
+        except BaseException:
+            browser.close()
+            raise
+        return browser
+
     def scroll_to(self, y: int) -> float:
         """Scroll the page to ``y`` CSS pixels, wait for a painted frame there, and
         return where the page really is (the browser clamps at the bottom)."""

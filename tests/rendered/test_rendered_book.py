@@ -129,13 +129,7 @@ def _browser() -> Browser:
         if REQUIRED:
             pytest.fail(reason)
         pytest.skip(reason)
-    browser = Browser(find_chromium())
-    try:
-        browser.warm_up()
-    except BaseException:
-        browser.close()
-        raise
-    return browser
+    return Browser.warm(find_chromium())
 
 
 @pytest.fixture(scope="module")

@@ -150,7 +150,7 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
                         marker=marker, label=f"{variant} (measured)")
         fit = next((f for f in fits or [] if f["op"] == f"{op}_fit"
                     and f["variant"] == variant), None)
-        # Only a fit that can be trusted is drawn (see bench.collectives.fit_distrust).
+        # Only a fit that can be trusted is drawn (cost_model.fit_distrust).
         if fit is not None and fit.get("trusted"):
             n = rs[0]["world_size"]
             alpha, beta = fit["alpha_us"] * 1e-6, 1e-9 / fit["link_GBps"]

@@ -53,3 +53,36 @@ def plot_loss_curves(curves: dict[str, list[float]], title: str) -> Any:
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def plot_fp8_losses(curves: dict[str, list[float]], baseline: str, title: str) -> Any:
+    """Loss curves of several recipes (log scale) and each one's gap to ``baseline``.
+
+    Args:
+        curves: ``{label: [loss at step 0, 1, ...]}``, ``baseline`` among them.
+        baseline: the label the right panel subtracts.
+        title: the finding the figure shows.
+    Returns:
+        The matplotlib Figure.
+
+    Taught in: Chapter 7, "FP8".
+    """
+    import matplotlib.pyplot as plt
+
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(9, 3.4))
+    base = curves[baseline]
+    for (label, losses), style in zip(curves.items(), ("-", "--", ":", "-.")):
+        ax.plot(range(len(losses)), losses, style, label=label)
+        if label != baseline:
+            gap.plot(range(len(losses)), [a - b for a, b in zip(losses, base)],
+                     style, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("cross-entropy loss (nats)")
+    ax.legend()
+    gap.axhline(0.0, color="grey", linewidth=0.8)
+    gap.set_xlabel("training step")
+    gap.set_ylabel(f"loss - {baseline} loss (nats)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,207 @@
+"""Measuring the machine for Chapter 13's step-time model: what each input is and
+how it is taken on the ranks that will train.
+
+- :func:`measure_machine`: matmul FLOP/s (one rank alone, the best window as the roof,
+  then every rank at once), the GPT's own forward-and-backward FLOP/s, the optimizer's
+  seconds per parameter, and Chapter 2's alpha-beta fit of each collective (guarded by
+  :func:`dtlib.collectives.cost_model.fit_distrust`);
+- :func:`machine_from`: the pure model's :class:`~dtlib.planner.machine.Machine`
+  from those measurements.
+
+Taught in: Chapter 13, "Measuring the machine".
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
+from dtlib.collectives.cost_model import fit_alpha_beta, fit_distrust
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.planner.machine import Machine
+from dtlib.planner.specs import ModelSpec
+from dtlib.runtime import dist as ddist
+
+__all__ = ["GEMM", "slowest", "measure_machine", "machine_from"]
+
+#: The matmul the FLOP/s is timed on: a block's MLP on 256 tokens of width 256.
+GEMM = (256, 256, 1024)
+
+
+def slowest(seconds: float) -> float:
+    """The largest ``seconds`` over the ranks (every rank calls it)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=ddist.world().device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _matmul_flops(m: int, k: int, n: int, windows: int = 5,
+                  seconds: float = 0.04) -> tuple[float, float]:
+    """(median, best) FLOP/s of ``windows`` timed windows of ``m x k @ k x n``."""
+    dev = ddist.world().device
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen).to(dev)
+    b = torch.randn(k, n, generator=gen).to(dev)
+    torch.mm(a, b)  # warm-up
+    ddist.sync()
+    rates = []
+    for _ in range(windows):
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or calls < 3:
+            torch.mm(a, b)
+            calls += 1
+        ddist.sync()  # accelerators queue kernels: time the work
+        rates.append(2 * m * k * n * calls / (time.perf_counter() - t0))
+    return statistics.median(rates), max(rates)
+
+
+def _model_flops(cfg: GPTConfig, batch: int, repeats: int = 3) -> float:
+    """FLOP/s one process reaches on the GPT's own forward and backward (no
+    optimizer step): the layers' efficiency beside the matmul roof."""
+    from dtlib.models.gpt import token_batch
+    from dtlib.planner.counts import flops_per_iteration
+
+    dev = ddist.world().device
+    model = build_gpt(cfg, seed=0).to(dev)
+    idx, targets = token_batch(cfg, batch, seed=0, device=dev)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        ddist.sync()
+        t0 = time.perf_counter()
+        model(idx, targets)[1].backward()
+        ddist.sync()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    spec = ModelSpec(n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
+                     vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    return flops_per_iteration(spec, batch, "none") / statistics.median(times[1:])
+
+
+def _optimizer_s_per_param(numel: int = 2**20, calls: int = 5) -> float:
+    dev = ddist.world().device
+    p = torch.nn.Parameter(torch.zeros(numel, device=dev))
+    p.grad = torch.ones(numel, device=dev)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    opt.step()  # creates the moments
+    ddist.sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        opt.step()
+    ddist.sync()
+    return (time.perf_counter() - t0) / calls / numel
+
+
+def _time_collective(op: str, nbytes: int, repeats: int) -> float:
+    n, dev = dist.get_world_size(), ddist.world().device
+    x = torch.ones(max(n, nbytes // 4 // n * n), device=dev)
+    out = torch.empty(x.numel() // n, device=dev)
+    call = {"all_reduce": lambda: dist.all_reduce(x),
+            "reduce_scatter": lambda: reduce_scatter_into(out, x),
+            "all_gather": lambda: all_gather_into(x, out)}[op]
+    call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        ddist.sync()
+        t0 = time.perf_counter()
+        call()
+        ddist.sync()
+        times.append(slowest(time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def measure_machine(gemm: tuple[int, int, int] = GEMM,
+                    sizes: tuple[int, ...] = (2**12, 2**16, 2**20, 2**22),
+                    ops: tuple[str, ...] = ("all_reduce", "reduce_scatter",
+                                            "all_gather"),
+                    repeats: int = 5, cfg: GPTConfig | None = None,
+                    global_batch: int = 8) -> dict[str, Any]:
+    """On every rank: the inputs of the step-time model, measured.
+
+    Args:
+        gemm: the ``(m, k, n)`` of the matmul timed (default :data:`GEMM`).
+        sizes: message bytes of the collectives' fit.
+        ops: the collectives fitted.
+        repeats: timed calls per (op, size) (median, slowest rank).
+        cfg, global_batch: the GPT whose own forward and backward rank 0 times
+            alone on a data-parallel rank's rows (``global_batch / world_size``):
+            the FLOP/s the layers reach, which the model computes with; None: the
+            matmul's median.
+    Returns:
+        ``flops_alone`` (rank 0 alone, the others waiting: the median of five
+        windows), ``flops_roof`` (the best window: the compute roof),
+        ``flops_model`` (the GPT's forward and backward, rank 0 alone),
+        ``flops_shared`` (the slowest rank while all compute),
+        ``optimizer_s_per_param`` (rank 0 alone, AdamW), ``fits`` ``{op: (alpha_s,
+        beta_s_per_byte, why_distrusted or None)}``, ``points`` (the timed (op,
+        bytes, seconds)), ``world_size``, ``device`` ("cpu" or "cuda").
+
+    Taught in: Chapter 13, "Measuring the machine".
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = ddist.world().device  # NCCL moves only tensors on the rank's GPU
+    alone = torch.zeros(4, dtype=torch.float64, device=dev)
+    dist.barrier()
+    if rank == 0:
+        alone[0], alone[2] = _matmul_flops(*gemm)
+        alone[1] = _optimizer_s_per_param()
+        alone[3] = _model_flops(cfg, max(1, global_batch // n)) if cfg else alone[0]
+    dist.broadcast(alone, 0)
+    dist.barrier()
+    shared = _matmul_flops(*gemm)[0]
+    t = torch.tensor([shared], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    fits, points = {}, []
+    for op in ops:
+        recs = [{"bytes": s, "time_s": _time_collective(op, s, repeats)}
+                for s in sizes]
+        points += [(op, r["bytes"], r["time_s"]) for r in recs]
+        alpha, beta = fit_alpha_beta([r["bytes"] for r in recs],
+                                     [r["time_s"] for r in recs], op, n)
+        fits[op] = (alpha, beta, fit_distrust(recs, op, n, alpha, beta))
+    return {"flops_alone": float(alone[0]), "flops_roof": float(alone[2]),
+            "flops_model": float(alone[3]),
+            "flops_shared": float(t.item()),
+            "optimizer_s_per_param": float(alone[1]), "fits": fits,
+            "device": dev.type,
+            "points": points, "world_size": n}
+
+
+def machine_from(measured: list[dict[str, Any]], cores: int | None,
+                 name: str = "this machine") -> Machine:
+    """The model's :class:`Machine` from :func:`measure_machine` at each world size.
+
+    The compute rate is the GPT's own (``flops_model``, the median over world sizes)
+    where measured, else the matmul's: the model then prices what parallelism adds
+    to one process's forward and backward, not the layers' efficiency.
+
+    A fit that :func:`fit_distrust` rejects is left out: that (op, world size) falls
+    back to the all-reduce fit of the same world size, or to the trusted fits' median.
+
+    Taught in: Chapter 13, "Measuring the machine".
+    """
+    fits: dict[tuple[str, int], tuple[float, float]] = {}
+    for m in measured:
+        n = m["world_size"]
+        good = {op: (a, b) for op, (a, b, why) in m["fits"].items() if why is None}
+        for op in m["fits"]:
+            pick = good.get(op) or good.get("all_reduce")
+            if pick is not None:
+                fits[(op, n)] = pick
+        if "all_reduce" in good:
+            fits[("send", n)] = good["all_reduce"]  # one hop costs one alpha-beta
+    alphas = sorted(a for a, _ in fits.values()) or [1e-4]
+    betas = sorted(b for _, b in fits.values()) or [1e-9]
+    rate = "flops_model" if all("flops_model" in m for m in measured) \
+        else "flops_alone"
+    return Machine(name, statistics.median(m[rate] for m in measured),
+                   alpha_s=alphas[len(alphas) // 2],
+                   beta_s_per_byte=betas[len(betas) // 2],
+                   optimizer_s_per_param=statistics.median(
+                       m["optimizer_s_per_param"] for m in measured),
+                   cores=cores, fits=fits)

@@ -1,0 +1,206 @@
+"""What Chapter 13's page runs on ranks: each strategy's step, a profiled step, and
+the page's one launch (the machine's inputs are measured by ``machine.py``).
+
+- :func:`time_strategies`: the median step of each strategy, each a technique's
+  ``parallelism(...)`` in the one loop ``run_steps``;
+- :func:`profile_step`: ``torch.profiler`` around one step; its events, and the Chrome
+  trace written for Perfetto (``trace.py`` reads them).
+
+:func:`compare` turns what the ranks measured into the measured / predicted table.
+
+Taught in: Chapter 13, "Where the time goes".
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from dtlib.chapters.ch13_time.machine import machine_from, measure_machine, slowest
+from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.reference import gpt_batches
+from dtlib.models.run import Parallelism, run_steps
+from dtlib.planner.specs import ModelSpec
+from dtlib.planner.machine import Machine
+from dtlib.planner.step_time import Workload, predict
+from dtlib.runtime import dist as ddist
+
+__all__ = ["TIME_GPT", "BUCKET_CAP_MB", "BAND", "FACTORIES", "measure_machine",
+           "time_strategies", "profile_step", "machine_from", "workload_of", "compare",
+           "chapter_run"]
+
+#: The GPT every strategy trains here: 4 blocks (2 and 4 stages), 8 heads (tp 2, 4),
+#: ~3M parameters, so that communication and compute are both visible.
+TIME_GPT = GPTConfig(vocab_size=256, seq_len=64, n_layers=4, hidden=256, n_heads=8,
+                     tie_weights=False)
+#: DDP's bucket cap here: several buckets, so the overlap rule has work to do.
+BUCKET_CAP_MB = 4.0
+N_MICRO = 4
+#: The band of measured / predicted the model promises on an idle machine.
+BAND = (0.75, 1.33)
+
+
+def _ddp(variant: str) -> Callable[[], Parallelism]:
+    def make() -> Parallelism:
+        from dtlib.data_parallel import parallelism
+        return parallelism(variant, bucket_cap_mb=BUCKET_CAP_MB)
+    return make
+
+
+def _zero(stage: int, variant: str = "ours") -> Callable[[], Parallelism]:
+    def make() -> Parallelism:
+        from dtlib.zero import parallelism
+        return parallelism(stage, variant=variant)
+    return make
+
+
+def _tp() -> Parallelism:
+    from dtlib.tensor_parallel import parallelism
+    return parallelism("ours")
+
+
+def _pipe(schedule: str) -> Callable[[], Parallelism]:
+    def make() -> Parallelism:
+        from dtlib.pipeline_parallel import parallelism
+        return parallelism(schedule, N_MICRO)
+    return make
+
+
+#: Strategy name (as in ``planner.step_time.STRATEGIES``) -> its Parallelism factory.
+FACTORIES: dict[str, Callable[[], Parallelism]] = {
+    "ddp/naive": _ddp("naive"), "ddp/bucketed": _ddp("bucketed"),
+    "ddp/overlapped": _ddp("overlapped"), "zero-1": _zero(1), "zero-2": _zero(2),
+    "zero-3": _zero(3), "fsdp2": _zero(3, "fsdp2"), "tp": _tp,
+    "gpipe": _pipe("gpipe"), "1f1b": _pipe("1f1b")}
+
+
+def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
+                    global_batch: int = 8, steps: int = 3, warmup: int = 1
+                    ) -> list[dict[str, Any]]:
+    """On every rank: the median step of each strategy (the slowest rank's).
+
+    Each strategy is ``FACTORIES[name]()`` in ``run_steps`` on the same global batch
+    (``global_batch`` sequences: data-parallel ranks split it, TP ranks and pipeline
+    stages see all of it); ``warmup`` untimed steps first.
+
+    Returns:
+        One dict per strategy: ``strategy``, ``world_size``, ``step_time_s``,
+        ``n_params``, ``n_tensors`` (of the unwrapped model).
+
+    Taught in: Chapter 13, "Predicted against measured".
+    """
+    out = []
+    device = ddist.world().device
+    for name in strategies:
+        dist.barrier()
+        model = build_gpt(cfg, seed=0).to(device)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_tensors = len(list(model.parameters()))
+        run = run_steps(FACTORIES[name](), model, gpt_batches(cfg, global_batch,
+                        device), warmup + steps, record_grads=False,
+                        record_params=False, on_step=lambda *_: dist.barrier())
+        out.append({"strategy": name, "world_size": dist.get_world_size(),
+                    "step_time_s": slowest(statistics.median(
+                        run.step_times[warmup:])),
+                    "n_params": n_params, "n_tensors": n_tensors})
+    return out
+
+
+def workload_of(cfg: GPTConfig, record: dict[str, Any], global_batch: int = 8
+                ) -> Workload:
+    """The model's :class:`Workload` of one :func:`time_strategies` record."""
+    spec = ModelSpec(n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
+                     vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    return Workload(spec, global_batch, n_params=record["n_params"],
+                    n_tensors=record["n_tensors"],
+                    bucket_cap_bytes=BUCKET_CAP_MB * 2**20, n_micro=N_MICRO)
+
+
+def compare(records: list[dict[str, Any]], machine: Machine,
+            cfg: GPTConfig = TIME_GPT, global_batch: int = 8
+            ) -> list[dict[str, Any]]:
+    """Measured / predicted per strategy and world size.
+
+    Taught in: Chapter 13, "Predicted against measured".
+    """
+    out = []
+    for r in records:
+        n = r["world_size"]
+        p = predict(r["strategy"], workload_of(cfg, r, global_batch), machine, n)
+        ratio = r["step_time_s"] / p.total_s
+        out.append({"strategy": r["strategy"], "world_size": n,
+                    "measured_s": r["step_time_s"], "predicted_s": p.total_s,
+                    "ratio": ratio,
+                    "compute_s": p.compute_s, "optimizer_s": p.optimizer_s,
+                    "exposed_s": p.exposed_s, "bubble_s": p.bubble_s})
+    return out
+
+
+def profile_step(strategy: str, cfg: GPTConfig = TIME_GPT, global_batch: int = 8,
+                 trace_dir: str | None = None) -> dict[str, Any]:
+    """On every rank: ``torch.profiler`` around one step of ``strategy`` (after one
+    warm-up step); the events the trace holds.
+
+    Args:
+        strategy: a key of :data:`FACTORIES`.
+        trace_dir: where rank 0 writes ``<strategy>.json`` (Chrome trace format,
+            opens in Perfetto), or None.
+    Returns:
+        ``{"events": [(name, thread, start_us, end_us)], "trace": path or None}``:
+        every event the profiler recorded on the CPU, sorted by start.
+
+    Taught in: Chapter 13, "Reading a trace".
+    """
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if strategy not in FACTORIES:
+        raise ValueError(f"strategy={strategy!r} not allowed; allowed: "
+                         f"{sorted(FACTORIES)}")
+    device = ddist.world().device
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    par = FACTORIES[strategy]()
+    model = build_gpt(cfg, seed=0).to(device)
+    wrapped = par.apply(model)
+    opt = par.make_optimizer(wrapped, torch.optim.AdamW, lr=1e-3)
+    batches = gpt_batches(cfg, global_batch, device)
+    kwargs = dict(wrapped=wrapped, optimizer=opt, record_grads=False,
+                  record_params=False)
+    run_steps(par, model, batches, 1, **kwargs)
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        run_steps(par, model, batches, 2, start=1, **kwargs)
+    path = None
+    if trace_dir is not None and dist.get_rank() == 0:
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, strategy.replace("/", "_") + ".json")
+        prof.export_chrome_trace(path)
+    events = sorted((e.name, e.thread, float(e.time_range.start),
+                     float(e.time_range.end)) for e in prof.events()
+                    if e.device_type.name == "CPU")
+    return {"events": sorted(events, key=lambda e: e[2]), "trace": path}
+
+
+def chapter_run(strategies: tuple[str, ...], traced: tuple[str, ...],
+                trace_dir: str | None, steps: int = 2) -> dict[str, Any]:
+    """On every rank: everything the page measures, in one launch.
+
+    Returns:
+        ``machine`` (:func:`measure_machine`), ``steps`` (:func:`time_strategies`),
+        ``traces`` (``{strategy: profile_step(...)}``) and ``timeline`` (Chapter 3's
+        hand-made timeline of the overlapped DDP, same GPT and buckets).
+
+    Taught in: Chapter 13 (the page's one launch).
+    """
+    from dtlib.chapters.ch03_data_parallel.runs import record_timeline
+
+    return {"machine": measure_machine(sizes=(2**12, 2**16, 2**20, 2**22),
+                                       repeats=3, cfg=TIME_GPT),
+            "steps": time_strategies(strategies, steps=steps),
+            "traces": {s: profile_step(s, trace_dir=trace_dir) for s in traced},
+            "timeline": record_timeline(TIME_GPT, 4, BUCKET_CAP_MB, steps=2)}

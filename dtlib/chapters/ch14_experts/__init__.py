@@ -1,0 +1,1 @@
+"""Chapter 14: mixture of experts and expert parallelism (page code)."""

@@ -1,0 +1,135 @@
+"""Checkers for Chapter 14, "Mixture of experts"."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from dtlib.collectives.accounting import count_comms
+from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
+from dtlib.runtime.dist import world
+
+DISPATCH_WORLD = 3
+_HIDDEN = 4
+
+
+def _case(case: int, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows and their destinations in case ``case``: 0 sends two
+    rows to every rank (every split equal), 1 sends uneven splits, 2 sends nothing
+    to the last rank."""
+    gen = torch.Generator().manual_seed(10 * case + rank)
+    if case == 0:
+        order = torch.randperm(2 * n, generator=gen)
+        dest = torch.arange(n).repeat_interleave(2)[order]
+    elif case == 1:
+        dest = torch.randint(0, n, (3 + 2 * rank,), generator=gen)
+    else:
+        dest = torch.randint(0, n - 1, (4,), generator=gen)
+    x = torch.randn(dest.numel(), _HIDDEN, generator=gen, dtype=torch.float64)
+    return x + 100 * rank, dest  # a row's source readable from its values
+
+
+def _truth(case: int, rank: int, n: int) -> torch.Tensor:
+    """One process: every source's rows for ``rank``, by source, in source order."""
+    rows = []
+    for src in range(n):
+        x, dest = _case(case, src, n)
+        rows.append(x[dest == rank])
+    return torch.cat(rows)
+
+
+def dispatch_on_rank(dispatch: Callable[..., torch.Tensor]) -> list[dict[str, Any]]:
+    """On one rank: each case's rows and destinations passed to ``dispatch(x,
+    dest)``, its all-to-alls counted, its result beside the one-process truth.
+    Stops after a case whose answer made fewer than two all-to-alls (a later,
+    uneven case could not run without the counts).
+
+    Returns:
+        Per case run: ``got`` (a CPU tensor or a description), ``want``, ``a2a``
+        (``(elements, bytes)`` of each all-to-all).
+
+    Taught in: Chapter 14, "Expert parallelism from send and receive up".
+    """
+    rank, n, device = dist.get_rank(), dist.get_world_size(), world().device
+    out = []
+    for case in range(3):
+        x, dest = _case(case, rank, n)
+        with count_comms(functional=False) as log:
+            got = dispatch(x.to(device), dest.to(device))
+        got = got.detach().cpu() if isinstance(got, torch.Tensor) else \
+            f"a {type(got).__name__}"
+        a2a = [(r.numel, r.bytes) for r in log.records if r.op == "all_to_all"]
+        out.append({"case": case, "got": got, "want": _truth(case, rank, n),
+                    "a2a": a2a})
+        if len(a2a) < 2:
+            break
+    return out
+
+
+def judge_dispatch(ranks: list[list[dict[str, Any]]]) -> None:
+    """Raise :class:`WrongAnswer` unless every rank exchanged the counts (one
+    all-to-all of one integer per rank) and then the rows, and received exactly
+    the rows one process computes, grouped by source rank in source order.
+
+    Taught in: Chapter 14, "Expert parallelism from send and receive up" (its
+    exercise).
+    """
+    n = len(ranks)
+    for r, records in enumerate(ranks):
+        for rec in records:
+            where = f"rank {r}, case {rec['case']}"
+            a2a = rec["a2a"]
+            if len(a2a) < 2:
+                raise WrongAnswer(
+                    f"{where}: {len(a2a)} all-to-all call(s); a dispatch needs two.",
+                    "a rank cannot size its receive buffer until it knows how many "
+                    "rows each peer sends it: exchange the counts first (one "
+                    "all-to-all of one integer per rank), then the rows")
+            numel, nbytes = a2a[0]
+            if numel != n or nbytes // max(numel, 1) not in (4, 8):
+                raise WrongAnswer(
+                    f"{where}: the first all-to-all moved {numel} elements of "
+                    f"{nbytes // max(numel, 1)} bytes; the counts are one integer "
+                    "per rank.", "count the rows for each destination "
+                    "(torch.bincount(dest, minlength=world_size)) and exchange those")
+            got, want = rec["got"], rec["want"]
+            if isinstance(got, str):
+                raise WrongAnswer(f"{where}: dispatch returned {got}, not a tensor.")
+            if got.shape != want.shape:
+                raise WrongAnswer(
+                    f"{where}: received {tuple(got.shape)[0]} rows; one process says "
+                    "this rank gets a different number.", "row i goes to rank "
+                    "dest[i]: the counts sent and the rows sent must agree")
+            if not torch.equal(got, want):
+                hint = ("the rows go to rank dest[i], grouped by destination before "
+                        "the all-to-all (a stable sort keeps each source's order), and "
+                        "arrive grouped by source rank")
+                if sorted(got[:, 0].tolist()) == sorted(want[:, 0].tolist()):
+                    raise WrongAnswer(f"{where}: the right rows in the wrong order.",
+                                      hint)
+                raise WrongAnswer(f"{where}: received rows meant for another rank.",
+                                  hint)
+    passed(f"on {n} ranks, equal and uneven splits and a rank that receives nothing: "
+           "every rank got exactly its rows, counts first")
+
+
+@checker
+def check_dispatch(dispatch: Callable[..., torch.Tensor]) -> None:
+    """Check ``dispatch(x, dest) -> received`` on 3 real ranks: ``x`` (rows, h) are
+    this rank's tokens, ``dest`` (rows,) the rank each must go to; return the rows
+    this rank receives, grouped by source rank, each source's in its order.
+
+    Args:
+        dispatch: the learner's function: one all-to-all of the counts, one of the
+            rows (``all_to_all_single`` with split sizes, or ``all_to_all`` of
+            lists; both pass).
+    Returns:
+        None (prints "Correct" or raises :class:`WrongAnswer`).
+
+    Taught in: Chapter 14, "Expert parallelism from send and receive up".
+    """
+    ranks = run_on_ranks(dispatch_on_rank, dispatch, DISPATCH_WORLD,
+                         what="your dispatch")
+    judge_dispatch(ranks)

@@ -1,0 +1,168 @@
+"""Checkers for Chapter 13, "Where the time goes".
+
+The truth is the chapter's overlap rule, played on two streams by
+:func:`dtlib.planner.overlap.two_streams`, on cases beyond the page's: a prediction
+that adds every bucket (no overlap) or takes the larger of compute and communication
+(perfect overlap) fails on them, and says which rule it broke.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from dtlib.exercises import WrongAnswer, check_close, checker, passed
+from dtlib.planner.overlap import Comm, two_streams
+
+
+def _truth(forward_s: float, backward_s: float, buckets_s: Sequence[float]) -> float:
+    k = len(buckets_s)
+    chunks = [forward_s] + [backward_s / k] * k
+    return two_streams(chunks, [Comm(c, ready_after=i + 1)
+                                for i, c in enumerate(buckets_s)]).end_s
+
+
+@checker
+def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], float],
+                         cases: tuple[tuple[float, float, tuple[float, ...]], ...] = (
+                             (1.0, 2.0, (0.5, 0.5)), (1.0, 3.0, (2.0, 0.1, 0.1)),
+                             (2.0, 4.0, (0.3, 0.3, 0.3, 0.3)), (0.5, 1.0, (3.0,)),
+                             (1.0, 2.0, (0.2, 1.5)))) -> None:
+    """Check ``step_time(forward_s, backward_s, buckets_s)``: the seconds from the
+    forward's start until the last bucket's all-reduce ends, for the overlapped DDP on
+    a GPU (communication beside compute): backward splits evenly into one chunk per
+    bucket, bucket k may start when chunk k ends and the buckets travel one at a time,
+    in order.
+
+    Args:
+        step_time: the learner's function.
+        cases: ``(forward_s, backward_s, buckets_s)`` to try.
+    Returns:
+        None (prints "Correct" or raises :class:`WrongAnswer`).
+
+    Taught in: Chapter 13, "An overlap rule per strategy".
+    """
+    for fwd, bwd, buckets in cases:
+        got = step_time(fwd, bwd, list(buckets))
+        where = f"forward {fwd} s, backward {bwd} s, buckets {list(buckets)}"
+        want = _truth(fwd, bwd, buckets)
+        if isinstance(got, (int, float)) and not isinstance(got, bool):
+            if abs(got - (fwd + bwd + sum(buckets))) < 1e-9 * want < abs(
+                    want - (fwd + bwd + sum(buckets))):
+                raise WrongAnswer(f"{where}: you added every bucket after the "
+                                  "backward; the overlapped DDP starts a bucket as "
+                                  "soon as its gradients are ready")
+            if abs(got - max(fwd + bwd, sum(buckets))) < 1e-9 * want < abs(
+                    want - max(fwd + bwd, sum(buckets))):
+                raise WrongAnswer(f"{where}: perfect overlap is too optimistic: a "
+                                  "bucket cannot start before its gradients exist, "
+                                  "and the last one starts when backward ends")
+        check_close(where, got, want, rel=1e-9, hint=(
+            "play the two queues: chunk k of the backward ends at forward + "
+            "k * backward / K; bucket k starts at the later of that and the end of "
+            "bucket k - 1"))
+    passed(f"your timeline matches the overlap rule on {len(cases)} steps: only what "
+           "the last buckets cannot hide is exposed")
+
+
+#: Ranks of the exercise's measured step.
+PREDICT_WORLD = 2
+
+
+def measure_on_rank() -> dict:
+    """On every rank: the machine's inputs and one overlapped-DDP step, measured
+    (Chapter 13's page code, fewer sizes and steps)."""
+    from dtlib.chapters.ch13_time.runs import (TIME_GPT, measure_machine,
+                                               time_strategies)
+
+    return {"machine": measure_machine(sizes=(2**12, 2**16, 2**20, 2**22),
+                                       repeats=3, cfg=TIME_GPT),
+            "step": time_strategies(("ddp/overlapped",), steps=2)[0]}
+
+
+def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
+    """(inputs the learner sees, workload, machine) for the measured machine, its
+    four-rank variant, and the same numbers with communication on its own engine."""
+    from dtlib.chapters.ch13_time.runs import TIME_GPT, machine_from, workload_of
+    from dtlib.planner.step_time import Machine, bucket_bytes
+
+    n = measured["step"]["world_size"]
+    fitted = machine_from([measured["machine"]], cores)
+    alpha, beta = fitted.fits.get(("all_reduce", n),
+                                  (fitted.alpha_s, fitted.beta_s_per_byte))
+    w = workload_of(TIME_GPT, measured["step"])
+    out = []
+    for ranks, c in ((n, cores), (2 * n, cores), (n, None)):
+        m = Machine("exercise", fitted.flops_per_s, alpha, beta,
+                    fitted.optimizer_s_per_param, cores=c)
+        inputs = {"world_size": ranks, "cores": c, "flops": w.flops(),
+                  "flops_per_s": m.flops_per_s,
+                  "optimizer_s_per_param": m.optimizer_s_per_param,
+                  "n_params": w.psi, "buckets_bytes": bucket_bytes(w),
+                  "alpha_s": alpha, "beta_s_per_byte": beta}
+        out.append((inputs, w, m))
+    return out
+
+
+def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
+                       cores: int) -> float:
+    """The judging half of :func:`check_predict_step`: the learner's prediction on
+    each case against the model's; returns measured / predicted of the measured case.
+
+    Taught in: Chapter 13, exercise ch13-ex-predict.
+    """
+    from dtlib.planner.step_time import predict
+
+    first = None
+    for inputs, w, m in _cases(measured, cores):
+        ranks = inputs["world_size"]
+        got = predict_step(dict(inputs))
+        want = predict("ddp/overlapped", w, m, ranks).total_s
+        other = predict("ddp/bucketed", w, m, ranks).total_s  # no overlap at all
+        where = f"world_size={ranks}, cores={inputs['cores']}"
+        if isinstance(got, (int, float)) and not isinstance(got, bool) and \
+                abs(want - other) > 1e-9 * want:
+            if abs(got - other) <= 1e-9 * want:
+                raise WrongAnswer(f"{where}: your step adds every bucket; with "
+                                  "communication on its own engine the buckets hide "
+                                  "behind the backward, all but the last")
+        if m.shares_cores(ranks) and isinstance(got, (int, float)) and \
+                not isinstance(got, bool) and got < want * (1 - 1e-9):
+            raise WrongAnswer(f"{where}: too small: as many ranks as cores leave no "
+                              "core for gloo, so nothing hides and the ranks share "
+                              "the cores' FLOP/s")
+        check_close(where, got, want, rel=1e-6, hint=(
+            "compute F / N over the rank's share of the FLOP/s, the optimizer over "
+            "the same share, then the buckets: added when ranks >= cores, else "
+            "played on two queues"))
+        first = want if first is None else first
+    return measured["step"]["step_time_s"] / first
+
+
+@checker
+def check_predict_step(predict_step: Callable[[dict], float]) -> None:
+    """Check ``predict_step(inputs) -> seconds``: the overlapped DDP's step of
+    Chapter 13's GPT from the machine's measured inputs (``world_size``, ``cores``
+    or None for a device with its own communication engine, ``flops`` of the whole
+    step, ``flops_per_s`` of one rank alone, ``optimizer_s_per_param``,
+    ``n_params``, ``buckets_bytes`` in the order they fill, ``alpha_s``,
+    ``beta_s_per_byte`` of the ring all-reduce). Backward is two thirds of the
+    compute, split over the buckets in proportion to their bytes.
+
+    On 2 real ranks it measures the inputs and the step, judges the prediction
+    against the model on the measured machine, on 4 ranks of it and on the same
+    numbers with an engine, then prints measured / predicted.
+
+    Taught in: Chapter 13, exercise ch13-ex-predict.
+    """
+    import os
+
+    from dtlib.chapters.ch13_time.runs import BAND
+    from dtlib.runtime import launch
+
+    measured = launch.spawn(measure_on_rank, PREDICT_WORLD, timeout=300,
+                            stream=False)[0]
+    ratio = judge_predict_step(predict_step, measured, os.cpu_count() or 1)
+    where = "inside" if BAND[0] <= ratio <= BAND[1] else "outside"
+    passed(f"your model is the chapter's on three machines; measured / predicted on "
+           f"{PREDICT_WORLD} ranks here: {ratio:.2f}, {where} the band "
+           f"{BAND[0]}-{BAND[1]} an idle machine keeps")

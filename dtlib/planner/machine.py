@@ -1,0 +1,116 @@
+"""The machine the step-time model prices a step on: measured or quoted inputs.
+
+A :class:`Machine` is one rank's FLOP/s, the optimizer's seconds per parameter, the
+alpha-beta of the collectives and whether the ranks share CPU cores with their
+communication (``cores``) or each own a device whose communication runs beside its
+compute (``cores=None``). :func:`gpu_machine` builds the second kind from the
+planner's datasheet presets; Chapter 13's page measures the first.
+
+Taught in: Chapter 13, "Measuring the machine".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dtlib.collectives.cost_model import cost_terms
+
+from dtlib.planner.specs import PRESETS
+
+__all__ = ["Machine", "gpu_machine", "rank_flops", "H100_HBM_BYTES_PER_S",
+           "ADAMW_BYTES_PER_PARAM"]
+
+#: H100/H200 SXM HBM bandwidth, 3.35 TB/s (NVIDIA H100 datasheet; H200: 4.8 TB/s).
+H100_HBM_BYTES_PER_S = 3.35e12
+#: fp32 AdamW reads parameter, gradient, two moments (16 B), writes three (12 B).
+ADAMW_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The measured (or quoted) inputs of the model.
+
+    name: a label ("this CPU", "H100-80GB").
+    flops_per_s: FLOP/s of one rank computing alone (one core, one GPU): the
+        layers' own forward and backward where measured, else a matmul's.
+    alpha_s, beta_s_per_byte: the alpha-beta of any collective (Chapter 2).
+    optimizer_s_per_param: seconds the optimizer step takes per parameter stepped.
+    cores: CPU cores the ranks and gloo share; None: each rank owns a device whose
+        communication runs beside its compute.
+    fits: per ``(op, world_size)`` a measured ``(alpha_s, beta_s_per_byte)`` that
+        overrides the default pair (ops: all_reduce, reduce_scatter, all_gather,
+        send).
+    """
+
+    name: str
+    flops_per_s: float
+    alpha_s: float
+    beta_s_per_byte: float
+    optimizer_s_per_param: float
+    cores: int | None = None
+    fits: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("flops_per_s", "alpha_s", "beta_s_per_byte",
+                     "optimizer_s_per_param"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v >= 0) or (name == "flops_per_s" and v == 0):
+                raise ValueError(f"{name}={v!r} must be a finite number >= 0 "
+                                 "(flops_per_s > 0)")
+        if self.cores is not None and (isinstance(self.cores, bool) or not
+                                       isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"cores={self.cores!r} must be None or an integer >= 1")
+
+    def shares_cores(self, world_size: int) -> bool:
+        """Whether compute and communication share the cores (no second stream)."""
+        return self.cores is not None and world_size >= self.cores
+
+    def collective_s(self, op: str, nbytes: float, world_size: int,
+                     messages: int = 1) -> float:
+        """Seconds of ``messages`` ring collectives moving ``nbytes`` in all.
+
+        ``op="send"`` is one point-to-point message (alpha + N beta).
+        """
+        if world_size == 1 or messages == 0:
+            return 0.0
+        alpha, beta = self.fits.get((op, world_size),
+                                    (self.alpha_s, self.beta_s_per_byte))
+        if op == "send":
+            return messages * alpha + nbytes * beta
+        a, b, _ = cost_terms("ring", op, world_size)
+        return messages * a * alpha + b * nbytes * beta
+
+
+def gpu_machine(name: str = "H100-80GB", efficiency: float = 0.5) -> Machine:
+    """A GPU per rank from the planner's datasheet presets (``specs.PRESETS``).
+
+    Args:
+        name: a preset ("H100-80GB": 989 TFLOP/s bf16 dense, NVLink 4 at 450 GB/s a
+            direction; the H200 has the same compute and links).
+        efficiency: the fraction of the peak a small GPT's layers reach.
+    Returns:
+        A :class:`Machine` with ``cores=None``: NCCL runs beside the compute.
+
+    Taught in: Chapter 13, "The same model on a GPU".
+    """
+    if name not in PRESETS:
+        raise ValueError(f"name={name!r} is not one of {sorted(PRESETS)}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency!r} must be in (0, 1]")
+    p = PRESETS[name]
+    return Machine(name, p["peak_flops"] * efficiency, alpha_s=5e-6,
+                   beta_s_per_byte=1 / p["intra_node_bw"],
+                   optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / H100_HBM_BYTES_PER_S)
+
+
+def rank_flops(machine: Machine, busy_ranks: int) -> float:
+    """FLOP/s of one rank while ``busy_ranks`` ranks compute at once: the cores'
+    FLOP/s shared, ``flops_per_s * min(1, cores / busy_ranks)``.
+
+    Taught in: Chapter 13, "When ranks outnumber cores".
+    """
+    if machine.cores is None:
+        return machine.flops_per_s
+    return machine.flops_per_s * min(1.0, machine.cores / busy_ranks)

@@ -1,0 +1,297 @@
+"""How long one training step takes, per strategy: compute, optimizer, exposed comms.
+
+A step costs its compute (model FLOPs, Narayanan et al. 2021's count of
+``counts.flops_per_iteration``: ``6 Psi T`` plus attention plus recomputation, over
+the FLOP/s one rank reaches), the optimizer's pass over the parameters the rank steps,
+and the communication nothing hides. The communication is what each chapter counts,
+priced by Chapter 2's alpha-beta ring model; what hides is one rule per strategy,
+played out on two streams (:func:`dtlib.planner.overlap.two_streams`):
+
+==============  ==========================================  ========================
+strategy        communication per step, per rank            overlap rule
+==============  ==========================================  ========================
+ddp/naive       one all-reduce per parameter tensor         none (after backward)
+ddp/bucketed    one all-reduce per bucket                   none (after backward)
+ddp/overlapped  the same buckets                            bucket k behind the
+                                                            backward of the layers
+                                                            before it; the last one
+                                                            exposed
+zero-1, zero-2  reduce-scatter + all-gather per unit        none (ours block)
+zero-3          all-gather forward, all-gather + reduce-    none (ours block)
+                scatter backward, per unit
+fsdp2           the same as zero-3                          unit i+1's all-gather
+                                                            behind unit i; unit i's
+                                                            reduce-scatter behind
+                                                            unit i-1's backward
+tp              2 all-reduces forward, 2 backward a layer   none: critical path
+gpipe, 1f1b     one activation and one gradient send per    the bubble: (p - 1)
+                micro-batch and stage boundary              idle slots of m + p - 1
+==============  ==========================================  ========================
+
+When ranks outnumber cores (``Machine.cores``: a CPU where gloo reduces and copies on
+the cores the layers use) there is no second stream: every collective adds
+(:func:`dtlib.planner.overlap.serial`), and the ranks share the cores' FLOP/s. A GPU
+machine (``cores=None``) applies the rules; ``planner.machine.gpu_machine`` builds
+one from the planner's datasheet presets (re-exported here with ``Machine``).
+
+Taught in: Chapter 13, "Where the time goes".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dtlib.planner.counts import flops_per_iteration, param_count
+from dtlib.planner.machine import (ADAMW_BYTES_PER_PARAM, H100_HBM_BYTES_PER_S,
+                                   Machine, gpu_machine, rank_flops)
+from dtlib.planner.overlap import Comm, Timeline, serial, two_streams
+from dtlib.planner.specs import RECOMPUTE, ModelSpec
+
+__all__ = ["STRATEGIES", "Machine", "Workload", "StepTime", "predict", "mfu",
+           "gpu_machine", "rank_flops", "unit_params", "bucket_bytes",
+           "H100_HBM_BYTES_PER_S", "ADAMW_BYTES_PER_PARAM"]
+
+STRATEGIES = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
+              "zero-3", "fsdp2", "tp", "gpipe", "1f1b")
+@dataclass(frozen=True)
+class Workload:
+    """One training step's shape.
+
+    model: the GPT (a ``planner.ModelSpec``; GPT-style for ``unit_params``).
+    global_batch: sequences per step, over all ranks.
+    n_params: parameters (default ``param_count(model)``; pass the built model's).
+    n_tensors: parameter tensors (naive DDP's messages); default a tied GPT's
+        ``12 l + 4``.
+    bucket_cap_bytes: DDP's bucket cap (25 MiB, torch's default).
+    n_micro: micro-batches per step of the pipelines (m).
+    bytes_per_element: 4 (fp32 gradients and activations).
+    recompute: "none", "selective" or "full" (adds FLOPs, Chapter 12).
+    """
+
+    model: ModelSpec
+    global_batch: int
+    n_params: int | None = None
+    n_tensors: int | None = None
+    bucket_cap_bytes: float = 25 * 2**20
+    n_micro: int = 4
+    bytes_per_element: int = 4
+    recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelSpec):
+            raise ValueError(f"model={self.model!r} must be a planner ModelSpec")
+        for name in ("global_batch", "n_micro", "bytes_per_element"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if not self.bucket_cap_bytes > 0:
+            raise ValueError(f"bucket_cap_bytes={self.bucket_cap_bytes!r} must be > 0")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r} is not one of {RECOMPUTE}")
+
+    @property
+    def psi(self) -> int:
+        """Parameters (Psi)."""
+        return self.n_params if self.n_params is not None else param_count(self.model)
+
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors."""
+        return self.n_tensors if self.n_tensors is not None else \
+            12 * self.model.n_layers + 4
+
+    def flops(self) -> int:
+        """FLOPs of the whole step, all ranks (recomputation included)."""
+        return flops_per_iteration(self.model, self.global_batch, self.recompute)
+
+    def model_flops(self) -> int:
+        """FLOPs of the step without recomputation (MFU's numerator)."""
+        return flops_per_iteration(self.model, self.global_batch, "none")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step, in seconds.
+
+    compute_s: forward and backward (the pipelines: the busiest stage, bubble
+        excluded); optimizer_s: the optimizer step; comm_s: every collective's time;
+    exposed_s: the communication (and waiting) that adds to the step; bubble_s: the
+        pipeline's idle slots; total_s: the step.
+    """
+
+    strategy: str
+    world_size: int
+    compute_s: float
+    optimizer_s: float
+    comm_s: float
+    exposed_s: float
+    bubble_s: float
+    total_s: float
+    overlapped: bool
+
+    @property
+    def exposed_fraction(self) -> float:
+        """Exposed communication as a fraction of the step."""
+        return self.exposed_s / self.total_s if self.total_s else 0.0
+
+
+def _share(m: Machine, busy_ranks: int) -> float:
+    """The fraction of a core (or device) each of ``busy_ranks`` ranks gets."""
+    return rank_flops(m, busy_ranks) / m.flops_per_s
+
+
+def unit_params(w: Workload) -> list[int]:
+    """Parameters per sharding unit, in forward order: the root (embeddings, final
+    norm) first, then each block (``12 h^2 + 13 h``), as Chapter 4 wraps them."""
+    h, layers = w.model.hidden, w.model.n_layers
+    block = 12 * h * h + 13 * h
+    return [max(w.psi - layers * block, 0)] + [block] * layers
+
+
+def bucket_bytes(w: Workload) -> list[float]:
+    """Gradient bytes per DDP bucket in the order they fill (the last layers first)."""
+    total = w.psi * w.bytes_per_element
+    full, rest = divmod(total, w.bucket_cap_bytes)
+    return [w.bucket_cap_bytes] * int(full) + ([rest] if rest else [])
+
+
+def _check(strategy: str, world_size: int) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} not allowed; allowed: {STRATEGIES}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) \
+            or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
+
+
+def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
+                   ) -> tuple[list[float], list[Comm], float]:
+    """Compute chunks, collectives and optimizer seconds of DDP, ZeRO, FSDP2."""
+    flops = w.flops() / n / rank_flops(m, n)
+    fwd = flops / (4 if w.recompute == "full" else 3)  # full: forward twice
+    bwd = flops - fwd  # backward (and the recomputed forward) is the rest
+    e = w.bytes_per_element
+    opt_params = w.psi if strategy.startswith("ddp") else w.psi / n
+    opt = opt_params * m.optimizer_s_per_param / _share(m, n)
+    if strategy.startswith("ddp"):
+        buckets = [w.psi * e] if strategy == "ddp/naive" else bucket_bytes(w)
+        msgs = [w.tensors] if strategy == "ddp/naive" else [1] * len(buckets)
+        total = sum(buckets)
+        chunks = [fwd] + [bwd * b / total for b in buckets] + [opt]
+        comms = [Comm(m.collective_s("all_reduce", b, n, k),
+                      ready_after=(i + 1 if strategy == "ddp/overlapped"
+                                   else len(buckets)),
+                      needed_by=len(chunks) - 1, name=f"bucket {i}")
+                 for i, (b, k) in enumerate(zip(buckets, msgs))]
+        return chunks, comms, opt
+    units = unit_params(w)
+    share = [u / sum(units) for u in units]
+    if strategy in ("zero-1", "zero-2"):
+        chunks = [fwd] + [bwd * s for s in reversed(share)] + [opt]
+        # zero-1 reduce-scatters in step(); zero-2 in the hook, which waits for it
+        # before the backward goes on (ours block: the next chunk needs it)
+        k = len(units)
+        comms = [Comm(m.collective_s("reduce_scatter", u * e, n),
+                      k if strategy == "zero-1" else i + 1,
+                      k + 1 if strategy == "zero-1" else i + 2,
+                      f"reduce-scatter unit {k - 1 - i}")
+                 for i, u in enumerate(reversed(units))]
+        comms += [Comm(m.collective_s("all_gather", u * e, n), k + 1, None,
+                       f"all-gather unit {j}") for j, u in enumerate(units)]
+        return chunks, comms, opt
+    # zero-3 and fsdp2: forward per unit, backward per unit in reverse, optimizer
+    k = len(units)
+    chunks = [fwd * s for s in share] + [bwd * s for s in reversed(share)] + [opt]
+    prefetch = strategy == "fsdp2"
+    comms = []
+    for u in range(k):  # forward: gather unit u before its chunk u
+        ready = u - 2 if prefetch and u >= 1 else u - 1  # fsdp2: as unit u-1 starts
+        comms.append(Comm(m.collective_s("all_gather", units[u] * e, n), ready, u,
+                          f"all-gather unit {u}"))
+    for j in range(k):  # backward chunk k + j is unit k-1-j
+        u = k - 1 - j
+        ready = k + j - 2 if prefetch and j >= 1 else k + j - 1
+        comms.append(Comm(m.collective_s("all_gather", units[u] * e, n), ready,
+                          k + j, f"all-gather unit {u} (backward)"))
+        if j >= 1:  # the previous unit's gradients, ready as its backward ends
+            comms.append(Comm(m.collective_s("reduce_scatter", units[u + 1] * e, n),
+                              k + j - 1, 2 * k if prefetch else k + j,
+                              f"reduce-scatter unit {u + 1}"))  # ours: blocking
+    comms.append(Comm(m.collective_s("reduce_scatter", units[0] * e, n), 2 * k - 1,
+                      2 * k, "reduce-scatter unit 0"))
+    return chunks, comms, opt
+
+
+def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime:
+    """The predicted step of ``strategy`` on ``world_size`` ranks of ``m``.
+
+    Args:
+        strategy: one of :data:`STRATEGIES`.
+        w: the :class:`Workload` (its global batch is split over the data-parallel
+            ranks; TP ranks each see all of it; pipeline stages each see all of it,
+            in ``w.n_micro`` micro-batches).
+        m: the :class:`Machine`.
+        world_size: ranks (the dp, tp or pp size: one dimension at a time).
+    Returns:
+        A :class:`StepTime`.
+
+    Taught in: Chapter 13, "Where the time goes".
+    """
+    _check(strategy, world_size)
+    n, e, shared = world_size, w.bytes_per_element, m.shares_cores(world_size)
+    tokens = w.global_batch * w.model.seq_len
+    if strategy in ("gpipe", "1f1b"):
+        mb = w.flops() / n / w.n_micro / m.flops_per_s  # one stage, one micro-batch
+        send = m.collective_s("send", tokens / w.n_micro * w.model.hidden * e, n)
+        slots = w.n_micro + n - 1  # the same for GPipe and 1F1B (Chapter 6)
+        critical = slots * (mb + 2 * send)
+        if m.cores is not None:  # every stage's work through the shared cores
+            critical = max(critical, n * w.n_micro * mb / min(n, m.cores)
+                           + 2 * (n - 1) * w.n_micro * send / min(n, m.cores))
+        opt = w.psi / n * m.optimizer_s_per_param / _share(m, n)
+        compute, comm = w.n_micro * mb, 2 * w.n_micro * send
+        exposed = 2 * slots * send  # the sends on the critical path
+        bubble = critical - compute - exposed  # idle slots (or the cores' queue)
+        return StepTime(strategy, n, compute, opt, comm, exposed, max(bubble, 0.0),
+                        critical + opt, overlapped=False)
+    if strategy == "tp":
+        compute = w.flops() / n / rank_flops(m, n)
+        act = tokens * w.model.hidden * e
+        comm = m.collective_s("all_reduce", 4 * w.model.n_layers * act, n,
+                              messages=4 * w.model.n_layers)
+        opt = w.psi / n * m.optimizer_s_per_param / _share(m, n)
+        return StepTime(strategy, n, compute, opt, comm, comm, 0.0,
+                        compute + comm + opt, overlapped=False)
+    chunks, comms, opt = _data_parallel(strategy, w, m, n)
+    timeline: Timeline = (serial if shared else two_streams)(chunks, comms)
+    compute = timeline.compute_s - opt
+    comm = sum(c.seconds for c in comms)
+    overlapped = not shared and strategy in ("ddp/overlapped", "fsdp2")
+    return StepTime(strategy, n, compute, opt, comm, timeline.exposed_s, 0.0,
+                    timeline.end_s, overlapped)
+
+
+def mfu(model_flops: float, step_time_s: float, peak_flops_per_s: float,
+        n_devices: int = 1) -> float:
+    """Model FLOPs utilisation: ``model_flops / (step_time_s * peak * n_devices)``.
+
+    Args:
+        model_flops: FLOPs of one step's model, all devices, recomputation excluded
+            (``Workload.model_flops()``; PaLM's definition, Chowdhery et al. 2022).
+        step_time_s: measured seconds per step (start-up and checkpoints excluded).
+        peak_flops_per_s: one device's peak (a datasheet, or the measured matmul
+            roof of Chapter 13).
+        n_devices: devices the step ran on.
+    Returns:
+        A fraction in (0, 1] for an honest peak.
+
+    Taught in: Chapter 13, "MFU".
+    """
+    for name, v in (("model_flops", model_flops), ("step_time_s", step_time_s),
+                    ("peak_flops_per_s", peak_flops_per_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0):
+            raise ValueError(f"{name}={v!r} must be a finite number > 0")
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise ValueError(f"n_devices={n_devices!r} must be an integer >= 1")
+    return model_flops / (step_time_s * peak_flops_per_s * n_devices)

@@ -1,0 +1,316 @@
+"""Chapter 13's step-time model: its terms against hand-computed cases (pure Python),
+MFU against a hand-computed case, and one profiled step per strategy whose events hold
+the expected collectives in the expected order (2 gloo ranks, the tiny GPT).
+
+No timing is asserted: timings live in ``python -m dtlib.bench time``. Every float
+compared here is a sum of at most a few dozen products of exact inputs, so a relative
+tolerance of 1e-12 (far above float64's 1e-16 per operation times the ~30 operations)
+is what "equal" means.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dtlib.planner.overlap import Comm, serial, two_streams
+from dtlib.planner.specs import ModelSpec
+from dtlib.planner.step_time import (STRATEGIES, Machine, Workload, gpu_machine, mfu,
+                                     predict, rank_flops, unit_params)
+
+REL = 1e-12  # see the module docstring
+MODEL = ModelSpec(n_layers=2, hidden=64, n_heads=4, vocab_size=256, seq_len=32)
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=REL, abs_tol=1e-18)
+
+
+def test_the_model_imports_without_torch():
+    # the model must run where torch does not (a browser calculator, the planner)
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dtlib.planner.step_time import predict, mfu\n"
+            "assert 'torch' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------- two streams
+
+def test_two_streams_hides_a_collective_behind_the_next_chunk():
+    # chunks 0-1, 1-3, then chunk 2 needs the collective released at t=1
+    hidden = two_streams([1.0, 2.0, 3.0], [Comm(1.5, ready_after=0, needed_by=2)])
+    assert hidden.comms == [(1.0, 2.5)] and hidden.end_s == 6.0
+    assert hidden.exposed_s == 0.0
+    # a 4 s collective outlasts chunk 1 (ends at 3) by 2 s: chunk 2 waits
+    late = two_streams([1.0, 2.0, 3.0], [Comm(4.0, ready_after=0, needed_by=2)])
+    assert late.compute[2] == (5.0, 8.0) and late.exposed_s == 2.0
+
+
+def test_two_streams_queues_collectives_in_order():
+    # both released at t=1; the second waits for the first on the one comm stream
+    t = two_streams([1.0, 1.0], [Comm(2.0, 0), Comm(2.0, 0)])
+    assert t.comms == [(1.0, 3.0), (3.0, 5.0)] and t.end_s == 5.0
+
+
+def test_serial_adds_every_collective():
+    t = serial([1.0, 2.0, 3.0], [Comm(1.5, ready_after=0, needed_by=2)])
+    assert t.end_s == 7.5 and t.exposed_s == 1.5
+
+
+def test_two_streams_rejects_impossible_orders():
+    with pytest.raises(ValueError, match="needed_by"):
+        Comm(1.0, ready_after=2, needed_by=2)
+    with pytest.raises(ValueError, match="beyond"):
+        two_streams([1.0], [Comm(1.0, ready_after=3)])
+    with pytest.raises(ValueError, match="queued behind"):
+        two_streams([1.0, 1.0, 1.0], [Comm(1.0, ready_after=1), Comm(1.0, -1, 1)])
+
+
+# ---------------------------------------------------------------- strategies
+
+def machine(cores: int | None = None, **kw) -> Machine:
+    args = dict(name="hand", flops_per_s=1e9, alpha_s=1e-4, beta_s_per_byte=1e-9,
+                optimizer_s_per_param=1e-8, cores=cores)
+    return Machine(**{**args, **kw})
+
+
+def test_rank_flops_shares_the_cores():
+    assert rank_flops(machine(cores=2), 4) == 0.5e9
+    assert rank_flops(machine(cores=2), 2) == 1e9
+    assert rank_flops(machine(cores=None), 64) == 1e9
+
+
+def test_ddp_overlap_leaves_only_the_last_bucket_exposed():
+    # Psi = 2 buckets of 1 MiB exactly; alpha 0, so a bucket's all-reduce on 2 ranks
+    # is 2(n-1)/n * 1 MiB * beta = 1 MiB * 1e-9 s (well below a backward chunk).
+    cap = 2**20
+    w = Workload(MODEL, global_batch=4, n_params=2 * cap // 4, bucket_cap_bytes=cap)
+    m = machine(alpha_s=0.0)
+    bucket = cap * 1e-9
+    compute = w.flops() / 2 / 1e9  # each rank half of the batch at 1 GFLOP/s
+    opt = w.psi * 1e-8  # DDP steps every parameter on every rank
+    over = predict("ddp/overlapped", w, m, 2)
+    assert close(over.comm_s, 2 * bucket) and close(over.exposed_s, bucket)
+    assert close(over.total_s, compute + opt + bucket) and over.overlapped
+    buck = predict("ddp/bucketed", w, m, 2)
+    assert close(buck.exposed_s, 2 * bucket)
+    # ranks >= cores: no second stream, the overlapped DDP hides nothing either
+    shared = predict("ddp/overlapped", w, machine(cores=2, alpha_s=0.0), 2)
+    assert close(shared.exposed_s, 2 * bucket) and not shared.overlapped
+
+
+def test_naive_ddp_pays_alpha_per_tensor():
+    w = Workload(MODEL, global_batch=4)
+    m = machine(beta_s_per_byte=0.0)
+    naive, bucketed = (predict(s, w, m, 4) for s in ("ddp/naive", "ddp/bucketed"))
+    # ring all-reduce: 2(n-1) alphas per message; 12 l + 4 tensors against 1 bucket
+    assert close(naive.comm_s, (12 * 2 + 4) * 6 * 1e-4)
+    assert close(bucketed.comm_s, 6 * 1e-4)
+
+
+def test_zero_and_fsdp_bytes_and_optimizer_share():
+    w = Workload(MODEL, global_batch=4)
+    m = machine(alpha_s=0.0, cores=1)
+    units = unit_params(w)
+    assert sum(units) == w.psi and len(units) == MODEL.n_layers + 1
+    ring = 3 / 4 * w.psi * 4 * 1e-9  # (n-1)/n of Psi fp32 bytes, 4 ranks
+    z1, z3, fsdp = (predict(s, w, m, 4) for s in ("zero-1", "zero-3", "fsdp2"))
+    assert close(z1.comm_s, 2 * ring) and close(z3.comm_s, 3 * ring)
+    # each rank steps Psi/4 parameters, on a quarter of the one core
+    assert close(z1.optimizer_s, w.psi / 4 * 1e-8 * 4)
+    assert close(fsdp.total_s, z3.total_s)  # one core: prefetch cannot help
+    gpu = machine(alpha_s=0.0)  # a device per rank: fsdp2's prefetch hides some
+    fsdp2, zero3 = (predict(s, w, gpu, 4) for s in ("fsdp2", "zero-3"))
+    assert fsdp2.exposed_s < zero3.exposed_s
+
+
+def test_tp_all_reduces_are_on_the_critical_path():
+    w = Workload(MODEL, global_batch=4)
+    m = machine()
+    t = predict("tp", w, m, 2)
+    act = 4 * 32 * 64 * 4  # tokens x hidden x fp32 bytes, the whole batch per rank
+    calls = 4 * MODEL.n_layers  # f and g, forward and backward, in 2 sublayers
+    expect = calls * 2 * 1e-4 + 2 * (2 - 1) / 2 * calls * act * 1e-9
+    assert close(t.comm_s, expect) and close(t.exposed_s, expect)
+    assert close(t.total_s, w.flops() / 2 / 1e9 + expect + w.psi / 2 * 1e-8)
+
+
+def test_pipeline_bubble_is_p_minus_1_slots_of_m_plus_p_minus_1():
+    w = Workload(MODEL, global_batch=8, n_micro=4)
+    m = machine(alpha_s=0.0, beta_s_per_byte=0.0)  # free sends: the bubble alone
+    for name in ("gpipe", "1f1b"):
+        t = predict(name, w, m, 4)
+        mb = w.flops() / 4 / 4 / 1e9
+        assert close(t.total_s - t.optimizer_s, (4 + 4 - 1) * mb)
+        assert close(t.bubble_s, (4 - 1) * mb)
+    # four stages on two cores: the cores' queue (16 slots / 2) beats the 7 slots
+    shared = predict("1f1b", w, machine(alpha_s=0.0, beta_s_per_byte=0.0, cores=2), 4)
+    assert close(shared.total_s - shared.optimizer_s, 4 * 4 * mb / 2)
+
+
+def test_every_strategy_on_a_gpu_machine_adds_up():
+    w = Workload(MODEL, global_batch=8)
+    gpu = gpu_machine("H100-80GB")
+    assert gpu.cores is None and gpu.flops_per_s == 989e12 * 0.5
+    for s in STRATEGIES:
+        t = predict(s, w, gpu, 2)
+        assert t.total_s >= t.compute_s + t.optimizer_s - 1e-15
+        assert 0 <= t.exposed_s <= t.total_s and 0 <= t.exposed_fraction <= 1
+
+
+def test_bad_input_names_the_argument():
+    w = Workload(MODEL, global_batch=4)
+    with pytest.raises(ValueError, match="strategy="):
+        predict("ddp", w, machine(), 2)
+    with pytest.raises(ValueError, match="world_size="):
+        predict("tp", w, machine(), 0)
+    with pytest.raises(ValueError, match="cores="):
+        machine(cores=0)
+    with pytest.raises(ValueError, match="flops_per_s="):
+        machine(flops_per_s=0.0)
+    with pytest.raises(ValueError, match="global_batch="):
+        Workload(MODEL, global_batch=0)
+    with pytest.raises(ValueError, match="efficiency="):
+        gpu_machine(efficiency=2.0)
+
+
+# ---------------------------------------------------------------- MFU
+
+def test_mfu_against_a_hand_computed_case():
+    # 1 PFLOP in 2 s on 4 devices of 1 PFLOP/s peak: an eighth of what they could do
+    assert mfu(1e15, 2.0, 1e15, 4) == 0.125
+    # the model FLOPs of a GPT: 72 B s l h^2 + 12 B s^2 l h + 6 B s h V (no recompute)
+    w = Workload(MODEL, global_batch=4)
+    b, s, l, h, v = 4, 32, 2, 64, 256
+    hand = 72 * b * s * l * h * h + 12 * b * s * s * l * h + 6 * b * s * h * v
+    assert w.model_flops() == hand
+    assert close(mfu(w.model_flops(), 0.5, 1e9, 2), hand / 1e9)
+    with pytest.raises(ValueError, match="step_time_s="):
+        mfu(1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="n_devices="):
+        mfu(1.0, 1.0, 1.0, 0)
+
+
+# ---------------------------------------------------------------- traced steps
+
+#: Untied (the pipelines cut the head from the embedding), 2 blocks, 4 heads.
+TRACE_GPT = dict(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4,
+                 tie_weights=False)
+
+
+def _trace_all(gpt: dict) -> dict:
+    from dtlib.chapters.ch13_time.runs import FACTORIES, profile_step
+    from dtlib.models.gpt import GPTConfig
+
+    cfg = GPTConfig(**gpt)
+    return {name: profile_step(name, cfg, global_batch=4)["events"]
+            for name in FACTORIES}
+
+
+@pytest.fixture(scope="module")
+def traces():
+    from dtlib.runtime import launch
+
+    return launch.spawn(_trace_all, 2, TRACE_GPT, timeout=240, stream=False)
+
+
+def test_every_strategy_traces_its_collectives_in_order(traces):
+    from dtlib.chapters.ch13_time.trace import comm_calls, exposed_comm
+    from dtlib.models.gpt import GPTConfig, build_gpt
+
+    model = build_gpt(GPTConfig(**TRACE_GPT))
+    tensors = len(list(model.parameters()))
+    units = TRACE_GPT["n_layers"] + 1  # the root (embeddings, head) and each block
+    m = 4  # the pipelines' micro-batches (runs.N_MICRO)
+    for rank, per in enumerate(traces):
+        calls = {name: comm_calls(ev) for name, ev in per.items()}
+        # DDP: one all-reduce per tensor (naive) or per bucket (the tiny model's
+        # gradients fit one 4 MiB bucket), then the logged loss's all-reduce
+        assert calls["ddp/naive"] == ["allreduce"] * (tensors + 1)
+        for v in ("ddp/bucketed", "ddp/overlapped"):
+            assert calls[v] == ["allreduce"] * 2
+        # ZeRO-1/2: each unit's gradient reduce-scattered, the used-flags all-reduce,
+        # each unit's parameters all-gathered after the step, the loss
+        for v in ("zero-1", "zero-2"):
+            assert calls[v] == (["reduce_scatter_base"] * units + ["allreduce"]
+                                + ["allgather_base"] * units + ["allreduce"])
+        # ZeRO-3 and FSDP2: forward gathers every unit first; backward gathers again
+        # before any reduce-scatter; one reduce-scatter per unit; the loss last
+        for v in ("zero-3", "fsdp2"):
+            c = calls[v]
+            assert c[:units] == ["allgather_base"] * units and c[-1] == "allreduce"
+            assert c.count("reduce_scatter_base") == units
+            assert c.index("reduce_scatter_base") > units
+        assert calls["fsdp2"].count("allgather_base") == 2 * units
+        # TP: f and g of 2 sublayers per block, forward and backward
+        assert calls["tp"] == ["allreduce"] * 4 * TRACE_GPT["n_layers"]
+        # the pipelines on 2 stages: GPipe all forwards, then all backwards; 1F1B
+        # warms up p - 1 - rank forwards, then alternates, then drains
+        first, last = ("send", "recv") if rank == 0 else ("recv", "send")
+        assert calls["gpipe"] == ["barrier"] + [first] * m + [last] * m + [
+            "broadcast"]
+        w = 1 - rank
+        assert calls["1f1b"] == (["barrier"] + [first] * w + [first, last] * (m - w)
+                                 + [last] * w + ["broadcast"])
+        for name, ev in per.items():  # the work shows on gloo's threads
+            assert any(e[0].startswith("gloo:") for e in ev), name
+            assert exposed_comm(ev)["comm_us"] > 0, name
+
+
+def test_exposed_comm_of_a_hand_made_trace():
+    from dtlib.chapters.ch13_time.trace import comm_calls, exposed_comm, share_named
+
+    # compute 0-10 us on thread 1; the call at 4-5; gloo's work 5-15 on thread 2:
+    # 5 us of it after compute ended, of a 15 us span
+    events = [("aten::mm", 1, 0.0, 10.0), ("c10d::allreduce_", 1, 4.0, 5.0),
+              ("gloo:all_reduce", 2, 5.0, 15.0), ("aten::add_", 1, 11.0, 12.0)]
+    out = exposed_comm(events)
+    assert comm_calls(events) == ["allreduce"]
+    assert out["comm_us"] == 10.0 and out["exposed_us"] == 4.0  # 10-11, 12-15
+    assert out["span_us"] == 15.0 and out["exposed_fraction"] == 4.0 / 15.0
+    assert share_named(events, "ATEN::") == 11.0 / 15.0  # 0-10 and 11-12
+    with pytest.raises(ValueError, match="events"):
+        exposed_comm([])
+
+
+# ---------------------------------------------------------------- the planner with time
+
+def test_planner_overlap_hides_only_data_parallel_traffic():
+    from dtlib.planner import ClusterSpec, ParallelConfig, estimate
+
+    gpt = ModelSpec(n_layers=24, hidden=2304, n_heads=24, vocab_size=51200,
+                    seq_len=2048)
+    cluster = ClusterSpec.preset("A100-80GB", 32)
+    config = ParallelConfig(dp=32, tp=1, pp=1, recompute="full",
+                            sequence_parallel=False)
+    flat, hidden = (estimate(gpt, cluster, config, 512, overlap=o)
+                    for o in (False, True))
+    # ~1.7B fp16 gradients: many 25 MiB buckets, all but the last behind backward
+    assert 0 < hidden.breakdown.time_s["dp"] < flat.breakdown.time_s["dp"]
+    for term in ("compute", "bubble", "tp", "cp", "pp"):
+        assert hidden.breakdown.time_s[term] == flat.breakdown.time_s[term]
+    # one bucket (a model whose gradients fit in 25 MiB): nothing to hide it behind
+    tiny = ModelSpec(n_layers=2, hidden=256, n_heads=4, vocab_size=256, seq_len=128)
+    small = ParallelConfig(dp=32, tp=1, pp=1)
+    a, b = (estimate(tiny, cluster, small, 32, overlap=o).breakdown.time_s["dp"]
+            for o in (False, True))
+    assert close(a, b)
+
+
+def test_full_recomputation_adds_one_forward_of_the_layers():
+    w = Workload(MODEL, global_batch=4)
+    full = Workload(MODEL, global_batch=4, recompute="full")
+    t, l, s, h = 4 * 32, 2, 32, 64
+    # one more forward of every layer's matrices (2 T 12h^2) and attention core
+    # (4 T s h), not of the logits: Narayanan et al.'s Eq. 3 against 72/96 of it
+    assert full.flops() - w.flops() == l * (2 * t * 12 * h * h + 4 * t * s * h)
+    assert full.model_flops() == w.model_flops()
+    m = machine(alpha_s=0.0, beta_s_per_byte=0.0)
+    assert close(predict("ddp/bucketed", full, m, 2).compute_s,
+                 full.flops() / 2 / 1e9)
