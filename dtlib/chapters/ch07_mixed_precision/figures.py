@@ -69,7 +69,7 @@ def plot_fp8_losses(curves: dict[str, list[float]], baseline: str, title: str) -
     """
     import matplotlib.pyplot as plt
 
-    fig, (ax, gap) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(7, 3.2))
     base = curves[baseline]
     for (label, losses), style in zip(curves.items(), ("-", "--", ":", "-.")):
         ax.plot(range(len(losses)), losses, style, label=label)
