@@ -160,14 +160,21 @@ def _check_launch_args(nproc: int, timeout: float) -> None:
 
 _CTX: Any = None
 
+#: What the fork server imports once, so that no rank pays for it again: torch, and the
+#: distributed modules the chapters' ranks use. ``torch._dynamo`` is among them because
+#: DTensor's first operation imports it (about two seconds of CPU per rank otherwise).
+#: A name this torch lacks is skipped by the server.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor",
+           "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "torch.distributed.pipelining", "dtlib.runtime.launch", "dtlib.models")
+
 
 def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # The server imports these once; every rank forks from it with torch loaded.
-        _CTX.set_forkserver_preload(["torch", "torch.distributed",
-                                     "dtlib.runtime.launch"])
+        # The server imports these once; every rank forks from it with them loaded.
+        _CTX.set_forkserver_preload(list(PRELOAD))
     return _CTX
 
 
