@@ -65,6 +65,8 @@ MEASURED = {  # what measure_on_rank returns, in the shape it returns it
 def _two_queues(inp, engine_rule=True, share_rule=True):
     n, cores = inp["world_size"], inp["cores"]
     share = 1.0 if cores is None or not share_rule else min(1.0, cores / n)
+    if inp["shared"] is not None and share_rule:
+        share = inp["shared"]  # measured with these ranks busy
     compute = inp["flops"] / n / (inp["flops_per_s"] * share)
     opt = inp["n_params"] * inp["optimizer_s_per_param"] / share
     sizes = inp["buckets_bytes"]
@@ -92,6 +94,10 @@ def _always_overlaps(inp):
     return _two_queues(inp, share_rule=False)
 
 
+def _rule_not_measured(inp):
+    return _two_queues({**inp, "shared": None})  # the rule where a share is measured
+
+
 def test_predict_step_accepts_the_model_and_reports_the_measured_ratio() -> None:
     from dtlib.chapters.ch13_time.runs import compare, machine_from
 
@@ -102,7 +108,8 @@ def test_predict_step_accepts_the_model_and_reports_the_measured_ratio() -> None
 
 
 @pytest.mark.parametrize("wrong, says", [(_never_overlaps, "adds every bucket"),
-                                         (_always_overlaps, "nothing hides")])
+                                         (_always_overlaps, "nothing hides"),
+                                         (_rule_not_measured, "measured share")])
 def test_predict_step_rejects(wrong, says) -> None:
     with pytest.raises(WrongAnswer, match=says):
         st.judge_predict_step(wrong, MEASURED, cores=2)

@@ -84,6 +84,20 @@ def test_rank_flops_shares_the_cores():
     assert rank_flops(machine(cores=2), 4) == 0.5e9
     assert rank_flops(machine(cores=2), 2) == 1e9
     assert rank_flops(machine(cores=None), 64) == 1e9
+    # a measured share overrides the rule for that many busy ranks only
+    measured = machine(cores=2, shared={4: 0.3, 2: 0.9})
+    assert rank_flops(measured, 4) == 0.3e9 and rank_flops(measured, 2) == 0.9e9
+    assert rank_flops(measured, 8) == 0.25e9
+    # and every term the ranks compute slows by it: 4 stages on 2 cores at 0.3
+    w = Workload(MODEL, global_batch=8, n_micro=4)
+    free = dict(alpha_s=0.0, beta_s_per_byte=0.0)
+    rule, slow = (predict(s, w, machine(cores=2, shared=sh, **free), 4)
+                  for s, sh in (("1f1b", {}), ("1f1b", {4: 0.3})))
+    assert close(slow.total_s, rule.total_s * 0.5 / 0.3)
+    ddp_rule, ddp_slow = (predict("ddp/bucketed", w, machine(cores=2, shared=sh,
+                                                              **free), 4)
+                          for sh in ({}, {4: 0.3}))
+    assert close(ddp_slow.total_s, ddp_rule.total_s * 0.5 / 0.3)
 
 
 def test_ddp_overlap_leaves_only_the_last_bucket_exposed():
@@ -174,6 +188,8 @@ def test_bad_input_names_the_argument():
         machine(cores=0)
     with pytest.raises(ValueError, match="flops_per_s="):
         machine(flops_per_s=0.0)
+    with pytest.raises(ValueError, match="shared="):
+        machine(shared={2: 0.0})
     with pytest.raises(ValueError, match="global_batch="):
         Workload(MODEL, global_batch=0)
     with pytest.raises(ValueError, match="efficiency="):

@@ -30,7 +30,9 @@ gpipe, 1f1b     one activation and one gradient send per    the bubble: (p - 1)
 
 When ranks outnumber cores (``Machine.cores``: a CPU where gloo reduces and copies on
 the cores the layers use) there is no second stream: every collective adds
-(:func:`dtlib.planner.overlap.serial`), and the ranks share the cores' FLOP/s. A GPU
+(:func:`dtlib.planner.overlap.serial`), and the ranks share the cores' FLOP/s (at
+the share measured with that many ranks busy, ``Machine.shared``, else by the rule
+``min(1, cores / N)``). A GPU
 machine (``cores=None``) applies the rules; ``planner.machine.gpu_machine`` builds
 one from the planner's datasheet presets (re-exported here with ``Machine``).
 
@@ -246,8 +248,8 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
         slots = w.n_micro + n - 1  # the same for GPipe and 1F1B (Chapter 6)
         critical = slots * (mb + 2 * send)
         if m.cores is not None:  # every stage's work through the shared cores
-            critical = max(critical, n * w.n_micro * mb / min(n, m.cores)
-                           + 2 * (n - 1) * w.n_micro * send / min(n, m.cores))
+            critical = max(critical, (w.n_micro * mb + 2 * (n - 1) / n * w.n_micro
+                                      * send) / _share(m, n))
         opt = w.psi / n * m.optimizer_s_per_param / _share(m, n)
         compute, comm = w.n_micro * mb, 2 * w.n_micro * send
         exposed = 2 * slots * send  # the sends on the critical path

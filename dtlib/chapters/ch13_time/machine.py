@@ -180,6 +180,11 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
     where measured, else the matmul's: the model then prices what parallelism adds
     to one process's forward and backward, not the layers' efficiency.
 
+    Each rank's share of that rate while ``world_size`` ranks compute at once is
+    measured (``flops_shared / flops_alone``, ``Machine.shared``), not the rule
+    ``min(1, cores / N)``: other load and the memory bus the cores share make it
+    lower than the rule, and the steps timed beside it carry the same.
+
     A fit that :func:`fit_distrust` rejects is left out: that (op, world size) falls
     back to the all-reduce fit of the same world size, or to the trusted fits' median.
 
@@ -195,6 +200,9 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
                 fits[(op, n)] = pick
         if "all_reduce" in good:
             fits[("send", n)] = good["all_reduce"]  # one hop costs one alpha-beta
+    # each rank's measured share while all compute: the slowest rank's matmul over
+    # rank 0's alone, both the median of their windows in the same launch
+    shared = {m["world_size"]: m["flops_shared"] / m["flops_alone"] for m in measured}
     alphas = sorted(a for a, _ in fits.values()) or [1e-4]
     betas = sorted(b for _, b in fits.values()) or [1e-9]
     rate = "flops_model" if all("flops_model" in m for m in measured) \
@@ -204,4 +212,4 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
                    beta_s_per_byte=betas[len(betas) // 2],
                    optimizer_s_per_param=statistics.median(
                        m["optimizer_s_per_param"] for m in measured),
-                   cores=cores, fits=fits)
+                   cores=cores, fits=fits, shared=shared)
