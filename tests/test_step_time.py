@@ -142,6 +142,14 @@ def test_zero_and_fsdp_bytes_and_optimizer_share():
     gpu = machine(alpha_s=0.0)  # a device per rank: fsdp2's prefetch hides some
     fsdp2, zero3 = (predict(s, w, gpu, 4) for s in ("fsdp2", "zero-3"))
     assert fsdp2.exposed_s < zero3.exposed_s
+    # FSDP2's buffer copies: per unit of u elements, 2 gathers copy u / n in and u
+    # out, the reduce-scatter copies u in: (3 + 2/n) Psi fp32 bytes in all, here on
+    # a quarter of the core; ZeRO-3 (ours, views of flat units) copies nothing
+    copying = machine(alpha_s=0.0, cores=1, copy_s_per_byte=1e-10)
+    fsdp_c, z3_c = (predict(s, w, copying, 4) for s in ("fsdp2", "zero-3"))
+    assert close(fsdp_c.total_s - fsdp.total_s,
+                 (3 + 2 / 4) * w.psi * 4 * 1e-10 * 4)
+    assert close(z3_c.total_s, z3.total_s)
 
 
 def test_tp_all_reduces_are_on_the_critical_path():
@@ -277,6 +285,24 @@ def test_every_strategy_traces_its_collectives_in_order(traces):
         for name, ev in per.items():  # the work shows on gloo's threads
             assert any(e[0].startswith("gloo:") for e in ev), name
             assert exposed_comm(ev)["comm_us"] > 0, name
+
+
+def test_trace_exercise_on_real_traces(traces):
+    # the trace exercise's checker on real steps: an independent sweep, exact or
+    # rounded to whole microseconds, is inside the band; the whole communication
+    # time is named as such wherever overlap makes it differ from the answer
+    from test_exercises_ch13 import _comm_total, _sweep
+
+    from dtlib.exercises import WrongAnswer
+    from dtlib.exercises.trace_reading import band_us, judge_exposed_comm
+
+    for name in ("ddp/overlapped", "fsdp2"):
+        ev = traces[0][name]
+        want = judge_exposed_comm(_sweep, ev, name)
+        judge_exposed_comm(lambda e: _sweep(e, rounded=True), ev, name)
+        if _comm_total(ev) - want > 2 * band_us(ev):
+            with pytest.raises(WrongAnswer, match="all the communication"):
+                judge_exposed_comm(_comm_total, ev, name)
 
 
 def test_exposed_comm_of_a_hand_made_trace():

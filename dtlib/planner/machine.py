@@ -41,6 +41,8 @@ class Machine:
     fits: per ``(op, world_size)`` a measured ``(alpha_s, beta_s_per_byte)`` that
         overrides the default pair (ops: all_reduce, reduce_scatter, all_gather,
         send).
+    copy_s_per_byte: seconds per byte a device-memory copy writes (FSDP2 copies
+        each unit into and out of its collective buffers); 0: copies are free.
     shared: per busy-rank count, the measured fraction of ``flops_per_s`` each
         rank reaches while that many compute at once (the slowest rank's matmul
         over one rank's alone); it overrides the sharing rule of
@@ -54,11 +56,12 @@ class Machine:
     optimizer_s_per_param: float
     cores: int | None = None
     fits: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    copy_s_per_byte: float = 0.0
     shared: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "alpha_s", "beta_s_per_byte",
-                     "optimizer_s_per_param"):
+                     "optimizer_s_per_param", "copy_s_per_byte"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                     math.isfinite(v) and v >= 0) or (name == "flops_per_s" and v == 0):
@@ -113,7 +116,8 @@ def gpu_machine(name: str = "H100-80GB", efficiency: float = 0.5) -> Machine:
     p = PRESETS[name]
     return Machine(name, p["peak_flops"] * efficiency, alpha_s=5e-6,
                    beta_s_per_byte=1 / p["intra_node_bw"],
-                   optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / H100_HBM_BYTES_PER_S)
+                   optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / H100_HBM_BYTES_PER_S,
+                   copy_s_per_byte=2 / H100_HBM_BYTES_PER_S)  # read + write
 
 
 def rank_flops(machine: Machine, busy_ranks: int) -> float:
