@@ -345,6 +345,28 @@ def test_planner_overlap_hides_only_data_parallel_traffic():
     assert close(a, b)
 
 
+def test_planner_default_charges_every_byte_as_the_published_zero3_runs_did():
+    import inspect
+
+    from dtlib.chapters.ch13_time.planner_time import with_and_without_overlap
+    from dtlib.planner import estimate
+
+    assert inspect.signature(estimate).parameters["overlap"].default is False
+    rows = with_and_without_overlap()
+    zero3 = [r for r in rows if r["zero3"]]
+    assert len(zero3) == 6
+    # Chapter 11's 25 % band holds charging every byte and breaks with the rule
+    assert all(0.75 <= r["flat_ratio"] <= 1.25 for r in zero3)
+    assert all(r["overlap_ratio"] > 1.25 for r in zero3)
+    # with the rule ZeRO-3 would beat PTD-P at the smallest GPU count of each size
+    by = {r["run"]: r for r in rows}
+    for z, p in (("ZeRO-3 174.6B on 384", "PTD-P 174.6B on 384"),
+                 ("ZeRO-3 529.6B on 640", "PTD-P 529.6B on 560")):
+        z, p = by[f"Table 2, {z}"], by[f"Table 2, {p}"]
+        assert z["overlap"] > p["overlap"] and z["flat"] < p["flat"]
+        assert z["published"] < p["published"]
+
+
 def test_full_recomputation_adds_one_forward_of_the_layers():
     w = Workload(MODEL, global_batch=4)
     full = Workload(MODEL, global_batch=4, recompute="full")
