@@ -54,7 +54,8 @@ def test_overlapped_ddp_rejects(wrong, says) -> None:
 MEASURED = {  # what measure_on_rank returns, in the shape it returns it
     "machine": {"flops_alone": 2e10, "flops_roof": 2.2e10, "flops_shared": 1.9e10,
                 "flops_model": 1.1e10,
-                "optimizer_s_per_param": 4e-8, "world_size": 2, "device": "cpu",
+                "optimizer_s_per_param": 4e-8, "copy_s_per_byte": 2e-10,
+                "world_size": 2, "device": "cpu",
                 "fits": {"all_reduce": (2e-4, 2e-9, None),
                          "reduce_scatter": (3e-4, 4e-9, None),
                          "all_gather": (3e-4, 4e-9, "too noisy")}},
