@@ -54,7 +54,8 @@ def test_overlapped_ddp_rejects(wrong, says) -> None:
 MEASURED = {  # what measure_on_rank returns, in the shape it returns it
     "machine": {"flops_alone": 2e10, "flops_roof": 2.2e10, "flops_shared": 1.9e10,
                 "flops_model": 1.1e10,
-                "optimizer_s_per_param": 4e-8, "world_size": 2, "device": "cpu",
+                "optimizer_s_per_param": 4e-8, "copy_s_per_byte": 2e-10,
+                "world_size": 2, "device": "cpu",
                 "fits": {"all_reduce": (2e-4, 2e-9, None),
                          "reduce_scatter": (3e-4, 4e-9, None),
                          "all_gather": (3e-4, 4e-9, "too noisy")}},
@@ -65,6 +66,8 @@ MEASURED = {  # what measure_on_rank returns, in the shape it returns it
 def _two_queues(inp, engine_rule=True, share_rule=True):
     n, cores = inp["world_size"], inp["cores"]
     share = 1.0 if cores is None or not share_rule else min(1.0, cores / n)
+    if inp["shared"] is not None and share_rule:
+        share = inp["shared"]  # measured with these ranks busy
     compute = inp["flops"] / n / (inp["flops_per_s"] * share)
     opt = inp["n_params"] * inp["optimizer_s_per_param"] / share
     sizes = inp["buckets_bytes"]
@@ -92,6 +95,10 @@ def _always_overlaps(inp):
     return _two_queues(inp, share_rule=False)
 
 
+def _rule_not_measured(inp):
+    return _two_queues({**inp, "shared": None})  # the rule where a share is measured
+
+
 def test_predict_step_accepts_the_model_and_reports_the_measured_ratio() -> None:
     from dtlib.chapters.ch13_time.runs import compare, machine_from
 
@@ -102,7 +109,90 @@ def test_predict_step_accepts_the_model_and_reports_the_measured_ratio() -> None
 
 
 @pytest.mark.parametrize("wrong, says", [(_never_overlaps, "adds every bucket"),
-                                         (_always_overlaps, "nothing hides")])
+                                         (_always_overlaps, "nothing hides"),
+                                         (_rule_not_measured, "measured share")])
 def test_predict_step_rejects(wrong, says) -> None:
     with pytest.raises(WrongAnswer, match=says):
         st.judge_predict_step(wrong, MEASURED, cores=2)
+
+
+# ---- find the exposed communication in a trace (hand-made traces, no launch) ----
+
+def _sweep(events, rounded=False):
+    # a sweep over the boundaries: count open communication and compute spans
+    comm_threads = {t for name, t, *_ in events if name.startswith(("gloo:", "nccl"))}
+    edges = []
+    for name, thread, start, end in events:
+        if rounded:  # whole microseconds, as a trace viewer shows them
+            start, end = round(start), round(end)
+        if name.startswith(("gloo:", "nccl")):
+            kind = 0
+        elif name.startswith("aten::") and thread not in comm_threads:
+            kind = 1
+        else:
+            continue
+        edges += [(start, kind, 1), (end, kind, -1)]
+    edges.sort()
+    open_, total, last = [0, 0], 0.0, None
+    for t, kind, step in edges:
+        if last is not None and open_[0] > 0 and open_[1] == 0:
+            total += t - last
+        open_[kind] += step
+        last = t
+    return total
+
+
+def _subtract(events):
+    # the chapter's own helpers: communication's spans minus the compute's
+    from dtlib.chapters.ch13_time.trace import exposed_comm
+    return exposed_comm(events)["exposed_us"]
+
+
+def _comm_total(events):
+    from dtlib.chapters.ch13_time.trace import exposed_comm
+    return exposed_comm(events)["comm_us"]
+
+
+def _comm_summed(events):
+    return sum(e[3] - e[2] for e in events if e[0].startswith("gloo:"))
+
+
+def _compute_total(events):
+    from dtlib.chapters.ch13_time.trace import intervals
+    return sum(t - s for s, t in intervals(events, False))
+
+
+def _idle(events):
+    span = max(e[3] for e in events) - min(e[2] for e in events)
+    return span - _compute_total(events)
+
+
+def test_trace_hand_made_truths() -> None:
+    from dtlib.exercises import trace_reading as tr
+
+    # trace 1: gloo 2-8 and 4-12 ms, compute 0-6, 9-10, 16-20: exposed 6-9, 10-12
+    # trace 2: gloo 5-15 ms, compute 0-10 and 11-12 ms: exposed 10-11 and 12-15
+    truths = [tr.judge_exposed_comm(_sweep, ev, "t") for ev in tr.HAND_TRACES]
+    assert truths == [5_000.0, 4_000.0]
+    assert tr.band_us(tr.HAND_TRACES[0]) == 1 + 3  # one comm span, three compute
+
+
+@pytest.mark.parametrize("answer", [_sweep, _subtract,
+                                    lambda ev: _sweep(ev, rounded=True)])
+def test_trace_accepts(answer) -> None:
+    from dtlib.exercises import trace_reading as tr
+
+    for ev in tr.HAND_TRACES:
+        tr.judge_exposed_comm(answer, ev, "hand-made")
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (_comm_total, "all the communication"), (_comm_summed, "sums the communication"),
+    (_compute_total, "compute time"), (_idle, "idle gaps"),
+    (lambda ev: _sweep(ev) * 1e-6, "too small")])  # seconds, not microseconds
+def test_trace_rejects(wrong, says) -> None:
+    from dtlib.exercises import trace_reading as tr
+
+    with pytest.raises(WrongAnswer, match=says):
+        for ev in tr.HAND_TRACES:
+            tr.judge_exposed_comm(wrong, ev, "hand-made")

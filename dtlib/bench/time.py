@@ -1,13 +1,13 @@
 """Step time: measured / predicted per strategy, on 2 and 4 gloo ranks, in one run.
 
 ``python -m dtlib.bench time [--world-sizes 2 4] [--steps 3] [--json PATH]`` measures
-the machine's inputs (matmul FLOP/s, AdamW seconds per parameter, Chapter 2's
-alpha-beta fits) and then the median step of every strategy of
-``dtlib.planner.step_time.STRATEGIES``, each on the same GPT, in one launch per world
-size; each record is ``measured / predicted`` by the pure step-time model with the
-machine's own inputs (the compute rate is the GPT's own forward and backward on one
-rank alone, so the ratio prices what each strategy adds to one process). Goal: every
-ratio within 0.75-1.33 on an idle machine.
+the machine's inputs (matmul FLOP/s alone and with every rank busy, AdamW seconds per
+parameter, a copy's seconds per byte, Chapter 2's alpha-beta fits) and then the median
+step of every strategy of ``dtlib.planner.step_time.STRATEGIES``, each on the same GPT,
+in one launch per world size; each record is ``measured / predicted`` by the pure
+step-time model with the machine's own inputs (the compute rate is the GPT's own forward
+and backward on one rank alone, so the ratio prices what each strategy adds to one
+process). Goal: every ratio within 0.75-1.33 on an idle machine.
 
 Taught in: Chapter 13, "Predicted against measured".
 """

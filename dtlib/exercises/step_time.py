@@ -91,10 +91,14 @@ def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
                                   (fitted.alpha_s, fitted.beta_s_per_byte))
     w = workload_of(TIME_GPT, measured["step"])
     out = []
-    for ranks, c in ((n, cores), (2 * n, cores), (n, None)):
+    measured_share = fitted.shared.get(n)  # the ranks' own share, measured
+    for ranks, c, share in ((n, cores, measured_share), (2 * n, cores, None),
+                            (n, None, None)):
         m = Machine("exercise", fitted.flops_per_s, alpha, beta,
-                    fitted.optimizer_s_per_param, cores=c)
-        inputs = {"world_size": ranks, "cores": c, "flops": w.flops(),
+                    fitted.optimizer_s_per_param, cores=c,
+                    shared={} if share is None else {ranks: share})
+        inputs = {"world_size": ranks, "cores": c, "shared": share,
+                  "flops": w.flops(),
                   "flops_per_s": m.flops_per_s,
                   "optimizer_s_per_param": m.optimizer_s_per_param,
                   "n_params": w.psi, "buckets_bytes": bucket_bytes(w),
@@ -129,11 +133,12 @@ def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
                 not isinstance(got, bool) and got < want * (1 - 1e-9):
             raise WrongAnswer(f"{where}: too small: as many ranks as cores leave no "
                               "core for gloo, so nothing hides and the ranks share "
-                              "the cores' FLOP/s")
+                              "the cores' FLOP/s (at the measured share where "
+                              "'shared' gives one)")
         check_close(where, got, want, rel=1e-6, hint=(
-            "compute F / N over the rank's share of the FLOP/s, the optimizer over "
-            "the same share, then the buckets: added when ranks >= cores, else "
-            "played on two queues"))
+            "compute F / N over the rank's share of the FLOP/s (the measured "
+            "'shared' where given), the optimizer over the same share, then the "
+            "buckets: added when ranks >= cores, else played on two queues"))
         first = want if first is None else first
     return measured["step"]["step_time_s"] / first
 
@@ -142,8 +147,11 @@ def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
 def check_predict_step(predict_step: Callable[[dict], float]) -> None:
     """Check ``predict_step(inputs) -> seconds``: the overlapped DDP's step of
     Chapter 13's GPT from the machine's measured inputs (``world_size``, ``cores``
-    or None for a device with its own communication engine, ``flops`` of the whole
-    step, ``flops_per_s`` of one rank alone, ``optimizer_s_per_param``,
+    or None for a device with its own communication engine, ``shared``: the
+    measured fraction of ``flops_per_s`` each rank reaches with ``world_size``
+    ranks busy, or None where not measured (then the rule ``min(1, cores / N)``),
+    ``flops`` of the whole step, ``flops_per_s`` of one rank alone,
+    ``optimizer_s_per_param``,
     ``n_params``, ``buckets_bytes`` in the order they fill, ``alpha_s``,
     ``beta_s_per_byte`` of the ring all-reduce). Backward is two thirds of the
     compute, split over the buckets in proportion to their bytes.

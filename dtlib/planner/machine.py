@@ -41,6 +41,12 @@ class Machine:
     fits: per ``(op, world_size)`` a measured ``(alpha_s, beta_s_per_byte)`` that
         overrides the default pair (ops: all_reduce, reduce_scatter, all_gather,
         send).
+    copy_s_per_byte: seconds per byte a device-memory copy writes (FSDP2 copies
+        each unit into and out of its collective buffers); 0: copies are free.
+    shared: per busy-rank count, the measured fraction of ``flops_per_s`` each
+        rank reaches while that many compute at once (the slowest rank's matmul
+        over one rank's alone); it overrides the sharing rule of
+        :func:`rank_flops` for that count.
     """
 
     name: str
@@ -50,10 +56,12 @@ class Machine:
     optimizer_s_per_param: float
     cores: int | None = None
     fits: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    copy_s_per_byte: float = 0.0
+    shared: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "alpha_s", "beta_s_per_byte",
-                     "optimizer_s_per_param"):
+                     "optimizer_s_per_param", "copy_s_per_byte"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                     math.isfinite(v) and v >= 0) or (name == "flops_per_s" and v == 0):
@@ -62,6 +70,12 @@ class Machine:
         if self.cores is not None and (isinstance(self.cores, bool) or not
                                        isinstance(self.cores, int) or self.cores < 1):
             raise ValueError(f"cores={self.cores!r} must be None or an integer >= 1")
+        for ranks, frac in self.shared.items():
+            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not (
+                    math.isfinite(frac) and frac > 0) or isinstance(ranks, bool) \
+                    or not isinstance(ranks, int) or ranks < 1:
+                raise ValueError(f"shared={self.shared!r}: each entry must map a "
+                                 "rank count >= 1 to a measured fraction > 0")
 
     def shares_cores(self, world_size: int) -> bool:
         """Whether compute and communication share the cores (no second stream)."""
@@ -102,15 +116,19 @@ def gpu_machine(name: str = "H100-80GB", efficiency: float = 0.5) -> Machine:
     p = PRESETS[name]
     return Machine(name, p["peak_flops"] * efficiency, alpha_s=5e-6,
                    beta_s_per_byte=1 / p["intra_node_bw"],
-                   optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / H100_HBM_BYTES_PER_S)
+                   optimizer_s_per_param=ADAMW_BYTES_PER_PARAM / H100_HBM_BYTES_PER_S,
+                   copy_s_per_byte=2 / H100_HBM_BYTES_PER_S)  # read + write
 
 
 def rank_flops(machine: Machine, busy_ranks: int) -> float:
-    """FLOP/s of one rank while ``busy_ranks`` ranks compute at once: the cores'
-    FLOP/s shared, ``flops_per_s * min(1, cores / busy_ranks)``.
+    """FLOP/s of one rank while ``busy_ranks`` ranks compute at once: the measured
+    share where ``machine.shared`` has that count, else the cores' FLOP/s shared
+    by the rule ``flops_per_s * min(1, cores / busy_ranks)``.
 
     Taught in: Chapter 13, "When ranks outnumber cores".
     """
+    if busy_ranks in machine.shared:
+        return machine.flops_per_s * machine.shared[busy_ranks]
     if machine.cores is None:
         return machine.flops_per_s
     return machine.flops_per_s * min(1.0, machine.cores / busy_ranks)

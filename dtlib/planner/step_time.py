@@ -19,9 +19,9 @@ ddp/overlapped  the same buckets                            bucket k behind the
 zero-1, zero-2  reduce-scatter + all-gather per unit        none (ours block)
 zero-3          all-gather forward, all-gather + reduce-    none (ours block)
                 scatter backward, per unit
-fsdp2           the same as zero-3                          unit i+1's all-gather
-                                                            behind unit i; unit i's
-                                                            reduce-scatter behind
+fsdp2           the same as zero-3, and copies into and     unit i+1's all-gather
+                out of the buffers (3 + 2/N copies of each  behind unit i; unit i's
+                unit's bytes, on the compute stream)        reduce-scatter behind
                                                             unit i-1's backward
 tp              2 all-reduces forward, 2 backward a layer   none: critical path
 gpipe, 1f1b     one activation and one gradient send per    the bubble: (p - 1)
@@ -30,7 +30,9 @@ gpipe, 1f1b     one activation and one gradient send per    the bubble: (p - 1)
 
 When ranks outnumber cores (``Machine.cores``: a CPU where gloo reduces and copies on
 the cores the layers use) there is no second stream: every collective adds
-(:func:`dtlib.planner.overlap.serial`), and the ranks share the cores' FLOP/s. A GPU
+(:func:`dtlib.planner.overlap.serial`), and the ranks share the cores' FLOP/s (at
+the share measured with that many ranks busy, ``Machine.shared``, else by the rule
+``min(1, cores / N)``). A GPU
 machine (``cores=None``) applies the rules; ``planner.machine.gpu_machine`` builds
 one from the planner's datasheet presets (re-exported here with ``Machine``).
 
@@ -115,7 +117,8 @@ class StepTime:
     """A predicted step, in seconds.
 
     compute_s: forward and backward (the pipelines: the busiest stage, bubble
-        excluded); optimizer_s: the optimizer step; comm_s: every collective's time;
+        excluded; FSDP2: with the copies into and out of its collective buffers);
+    optimizer_s: the optimizer step; comm_s: every collective's time;
     exposed_s: the communication (and waiting) that adds to the step; bubble_s: the
         pipeline's idle slots; total_s: the step.
     """
@@ -203,6 +206,14 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
     k = len(units)
     chunks = [fwd * s for s in share] + [bwd * s for s in reversed(share)] + [opt]
     prefetch = strategy == "fsdp2"
+    if prefetch:  # FSDP2's copies, on the compute stream (a unit of u elements):
+        # each all-gather copies the shard in (u / n) and the gathered unit out to
+        # its parameters (u); the reduce-scatter copies the gradients in (u)
+        copy = [u * e * m.copy_s_per_byte / _share(m, n) for u in units]
+        chunks = ([c + (1 + 1 / n) * cp for c, cp in zip(chunks[:k], copy)]
+                  + [c + (2 + 1 / n) * cp for c, cp in zip(chunks[k:2 * k],
+                                                           reversed(copy))]
+                  + [opt])
     comms = []
     for u in range(k):  # forward: gather unit u before its chunk u
         ready = u - 2 if prefetch and u >= 1 else u - 1  # fsdp2: as unit u-1 starts
@@ -246,8 +257,8 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
         slots = w.n_micro + n - 1  # the same for GPipe and 1F1B (Chapter 6)
         critical = slots * (mb + 2 * send)
         if m.cores is not None:  # every stage's work through the shared cores
-            critical = max(critical, n * w.n_micro * mb / min(n, m.cores)
-                           + 2 * (n - 1) * w.n_micro * send / min(n, m.cores))
+            critical = max(critical, (w.n_micro * mb + 2 * (n - 1) / n * w.n_micro
+                                      * send) / _share(m, n))
         opt = w.psi / n * m.optimizer_s_per_param / _share(m, n)
         compute, comm = w.n_micro * mb, 2 * w.n_micro * send
         exposed = 2 * slots * send  # the sends on the critical path

@@ -3,7 +3,8 @@ how it is taken on the ranks that will train.
 
 - :func:`measure_machine`: matmul FLOP/s (one rank alone, the best window as the roof,
   then every rank at once), the GPT's own forward-and-backward FLOP/s, the optimizer's
-  seconds per parameter, and Chapter 2's alpha-beta fit of each collective (guarded by
+  seconds per parameter, a memory copy's seconds per byte, and Chapter 2's
+  alpha-beta fit of each collective (guarded by
   :func:`dtlib.collectives.cost_model.fit_distrust`);
 - :func:`machine_from`: the pure model's :class:`~dtlib.planner.machine.Machine`
   from those measurements.
@@ -96,6 +97,20 @@ def _optimizer_s_per_param(numel: int = 2**20, calls: int = 5) -> float:
     return (time.perf_counter() - t0) / calls / numel
 
 
+def _copy_s_per_byte(numel: int = 2**20, calls: int = 10) -> float:
+    """Seconds per byte written by ``dst.copy_(src)`` (read and write included):
+    what FSDP2's copies into and out of its collective buffers cost."""
+    dev = ddist.world().device
+    src, dst = torch.ones(numel, device=dev), torch.empty(numel, device=dev)
+    dst.copy_(src)  # warm-up
+    ddist.sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dst.copy_(src)
+    ddist.sync()
+    return (time.perf_counter() - t0) / calls / (numel * dst.element_size())
+
+
 def _time_collective(op: str, nbytes: int, repeats: int) -> float:
     n, dev = dist.get_world_size(), ddist.world().device
     x = torch.ones(max(n, nbytes // 4 // n * n), device=dev)
@@ -137,7 +152,8 @@ def measure_machine(gemm: tuple[int, int, int] = GEMM,
         windows), ``flops_roof`` (the best window: the compute roof),
         ``flops_model`` (the GPT's forward and backward, rank 0 alone),
         ``flops_shared`` (the slowest rank while all compute),
-        ``optimizer_s_per_param`` (rank 0 alone, AdamW), ``fits`` ``{op: (alpha_s,
+        ``optimizer_s_per_param`` (rank 0 alone, AdamW), ``copy_s_per_byte``
+        (rank 0 alone, a 4 MiB ``copy_``), ``fits`` ``{op: (alpha_s,
         beta_s_per_byte, why_distrusted or None)}``, ``points`` (the timed (op,
         bytes, seconds)), ``world_size``, ``device`` ("cpu" or "cuda").
 
@@ -145,12 +161,13 @@ def measure_machine(gemm: tuple[int, int, int] = GEMM,
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = ddist.world().device  # NCCL moves only tensors on the rank's GPU
-    alone = torch.zeros(4, dtype=torch.float64, device=dev)
+    alone = torch.zeros(5, dtype=torch.float64, device=dev)
     dist.barrier()
     if rank == 0:
         alone[0], alone[2] = _matmul_flops(*gemm)
         alone[1] = _optimizer_s_per_param()
         alone[3] = _model_flops(cfg, max(1, global_batch // n)) if cfg else alone[0]
+        alone[4] = _copy_s_per_byte()
     dist.broadcast(alone, 0)
     dist.barrier()
     shared = _matmul_flops(*gemm)[0]
@@ -167,7 +184,8 @@ def measure_machine(gemm: tuple[int, int, int] = GEMM,
     return {"flops_alone": float(alone[0]), "flops_roof": float(alone[2]),
             "flops_model": float(alone[3]),
             "flops_shared": float(t.item()),
-            "optimizer_s_per_param": float(alone[1]), "fits": fits,
+            "optimizer_s_per_param": float(alone[1]),
+            "copy_s_per_byte": float(alone[4]), "fits": fits,
             "device": dev.type,
             "points": points, "world_size": n}
 
@@ -179,6 +197,11 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
     The compute rate is the GPT's own (``flops_model``, the median over world sizes)
     where measured, else the matmul's: the model then prices what parallelism adds
     to one process's forward and backward, not the layers' efficiency.
+
+    Each rank's share of that rate while ``world_size`` ranks compute at once is
+    measured (``flops_shared / flops_alone``, ``Machine.shared``), not the rule
+    ``min(1, cores / N)``: other load and the memory bus the cores share make it
+    lower than the rule, and the steps timed beside it carry the same.
 
     A fit that :func:`fit_distrust` rejects is left out: that (op, world size) falls
     back to the all-reduce fit of the same world size, or to the trusted fits' median.
@@ -195,6 +218,9 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
                 fits[(op, n)] = pick
         if "all_reduce" in good:
             fits[("send", n)] = good["all_reduce"]  # one hop costs one alpha-beta
+    # each rank's measured share while all compute: the slowest rank's matmul over
+    # rank 0's alone, both the median of their windows in the same launch
+    shared = {m["world_size"]: m["flops_shared"] / m["flops_alone"] for m in measured}
     alphas = sorted(a for a, _ in fits.values()) or [1e-4]
     betas = sorted(b for _, b in fits.values()) or [1e-9]
     rate = "flops_model" if all("flops_model" in m for m in measured) \
@@ -204,4 +230,6 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
                    beta_s_per_byte=betas[len(betas) // 2],
                    optimizer_s_per_param=statistics.median(
                        m["optimizer_s_per_param"] for m in measured),
-                   cores=cores, fits=fits)
+                   copy_s_per_byte=statistics.median(
+                       m.get("copy_s_per_byte", 0.0) for m in measured),
+                   cores=cores, fits=fits, shared=shared)

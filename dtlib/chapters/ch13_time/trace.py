@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["COMM_PREFIXES", "comm_calls", "intervals", "union_length",
+__all__ = ["COMM_PREFIXES", "is_comm", "comm_calls", "intervals", "union_length",
            "exposed_comm", "share_named"]
 
 Event = tuple  # (name, thread, start_us, end_us)
@@ -22,7 +22,11 @@ Event = tuple  # (name, thread, start_us, end_us)
 COMM_PREFIXES = ("gloo:", "nccl", "ncclDevKernel")
 
 
-def _is_comm(name: str) -> bool:
+def is_comm(name: str) -> bool:
+    """Whether an event named ``name`` is a collective's work (:data:`COMM_PREFIXES`).
+
+    Taught in: Chapter 13, "Reading a trace".
+    """
     return name.startswith(COMM_PREFIXES)
 
 
@@ -36,9 +40,9 @@ def comm_calls(events: Sequence[Event]) -> list[str]:
 def intervals(events: Sequence[Event], comm: bool) -> list[tuple[float, float]]:
     """Merged ``(start, end)`` spans of the communication events (``comm``) or of the
     compute (``aten::`` events on threads that run no communication)."""
-    comm_threads = {e[1] for e in events if _is_comm(e[0])}
+    comm_threads = {e[1] for e in events if is_comm(e[0])}
     return _merge([(e[2], e[3]) for e in events
-                   if (_is_comm(e[0]) if comm else
+                   if (is_comm(e[0]) if comm else
                        e[0].startswith("aten::") and e[1] not in comm_threads)])
 
 

@@ -1,0 +1,125 @@
+"""Checker for Chapter 13's trace exercise: find the exposed communication in a
+profiler trace the checker records on real ranks.
+
+The truth is :func:`dtlib.chapters.ch13_time.trace.exposed_comm`: the merged spans of
+the communication events (gloo's threads) not covered by the merged spans of the
+compute (``aten::`` events on threads that run no communication). Hand-made traces
+first, built so that each wrong reading lands far from the truth (the whole
+communication time, its events summed, the compute time, the step's idle time), then
+the recorded one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from dtlib.exercises import WrongAnswer, checker, passed
+
+#: The strategy whose step the checker traces, and on how many gloo ranks.
+TRACE_STRATEGY, TRACE_WORLD = "ddp/overlapped", 2
+
+Event = tuple  # (name, thread, start_us, end_us), as profile_step returns them
+
+#: Hand-made traces, in microseconds: compute on thread 1, gloo's work on 2 and 3.
+HAND_TRACES: tuple[tuple[Event, ...], ...] = (
+    # two gloo events that overlap each other, compute beside them, an idle gap
+    (("aten::linear", 1, 0.0, 6_000.0), ("aten::mm", 1, 1_000.0, 5_000.0),
+     ("c10d::allreduce_", 1, 1_500.0, 2_000.0),
+     ("gloo:all_reduce", 2, 2_000.0, 8_000.0),
+     ("c10d::allreduce_", 1, 3_000.0, 4_000.0),
+     ("gloo:all_reduce", 3, 4_000.0, 12_000.0), ("aten::add_", 1, 9_000.0, 10_000.0),
+     ("aten::mm", 1, 16_000.0, 20_000.0)),
+    # one all-reduce that outlasts the compute
+    (("aten::mm", 1, 0.0, 10_000.0), ("c10d::allreduce_", 1, 4_000.0, 5_000.0),
+     ("gloo:all_reduce", 2, 5_000.0, 15_000.0), ("aten::add_", 1, 11_000.0, 12_000.0)),
+)
+
+
+def band_us(events: Sequence[Event]) -> float:
+    """How far a right answer may sit from the truth, in microseconds.
+
+    The exposed time's ends are ends of merged communication or compute spans; a
+    reader who rounds every event to the whole microsecond a trace viewer shows
+    moves each end by at most half a microsecond, so the answer by at most one
+    microsecond per merged span of either kind.
+    """
+    from dtlib.chapters.ch13_time.trace import intervals
+
+    return float(len(intervals(events, True)) + len(intervals(events, False)))
+
+
+def _wrong_readings(events: Sequence[Event]) -> list[tuple[float, str]]:
+    from dtlib.chapters.ch13_time.trace import is_comm, exposed_comm, intervals
+
+    comm = [e for e in events if is_comm(e[0])]
+    compute = sum(t - s for s, t in intervals(events, False))
+    span = exposed_comm(events)["span_us"]
+    return [
+        (exposed_comm(events)["comm_us"], "that is all the communication: the part "
+         "that ran under compute is hidden, not exposed"),
+        (sum(e[3] - e[2] for e in comm), "that sums the communication events: "
+         "overlapping events count twice, and the part under compute is hidden"),
+        (compute, "that is the compute time, the other row of the trace"),
+        (span - compute, "that is all the time without compute, idle gaps with no "
+         "communication included")]
+
+
+def judge_exposed_comm(exposed_us: Callable[[list[Event]], float],
+                       events: Sequence[Event], where: str) -> float:
+    """The judging half of :func:`check_exposed_comm` on one trace; returns the
+    truth, in microseconds.
+
+    Taught in: Chapter 13, exercise ch13-ex-trace.
+    """
+    from dtlib.chapters.ch13_time.trace import exposed_comm
+
+    want, tol = exposed_comm(events)["exposed_us"], band_us(events)
+    got = exposed_us(list(events))
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise WrongAnswer(f"{where}: expected a number of microseconds, got "
+                          f"{type(got).__name__} {got!r}")
+    if abs(got - want) <= tol:
+        return want
+    for wrong, why in _wrong_readings(events):
+        if abs(got - wrong) <= tol < abs(wrong - want) - tol:
+            raise WrongAnswer(f"{where}: {why}")
+    side = "too large" if got > want else "too small"
+    raise WrongAnswer(f"{where}: got {got!r} us, {side}", hint=(
+        "merge the communication events' spans, merge the compute events' spans "
+        "(aten:: on threads that run no communication), and measure what of the "
+        "first the second does not cover"))
+
+
+@checker
+def check_exposed_comm(exposed_us: Callable[[list[Event]], float]) -> None:
+    """Check ``exposed_us(events) -> microseconds``: the communication no compute
+    hid, in a trace's events ``(name, thread, start_us, end_us)``. Communication:
+    the events of gloo's threads (names starting ``gloo:``, or ``nccl`` on a GPU);
+    compute: the ``aten::`` events of threads that run no communication.
+
+    It tries the hand-made traces of :data:`HAND_TRACES`, then records one step of
+    the overlapped DDP on 2 gloo ranks with ``torch.profiler`` and judges the
+    answer on rank 0's trace within :func:`band_us`.
+
+    Taught in: Chapter 13, exercise ch13-ex-trace.
+    """
+    from dtlib.chapters.ch13_time.trace import exposed_comm
+    from dtlib.runtime import launch
+
+    for i, events in enumerate(HAND_TRACES):
+        judge_exposed_comm(exposed_us, events, f"hand-made trace {i + 1}")
+    events = launch.spawn(record_on_rank, TRACE_WORLD, timeout=300,
+                          stream=False)[0]
+    judge_exposed_comm(exposed_us, events, f"the recorded {TRACE_STRATEGY} step")
+    got = exposed_comm(events)
+    passed(f"in the recorded step {got['exposed_us'] / 1e3:.1f} ms of "
+           f"{got['comm_us'] / 1e3:.1f} ms of communication ran with no compute "
+           f"beside it, {got['exposed_fraction']:.0%} of the traced "
+           f"{got['span_us'] / 1e3:.1f} ms")
+
+
+def record_on_rank() -> list[Event]:
+    """On every rank: one profiled step of :data:`TRACE_STRATEGY`, its events."""
+    from dtlib.chapters.ch13_time.runs import profile_step
+
+    return profile_step(TRACE_STRATEGY)["events"]
