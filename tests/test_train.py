@@ -737,3 +737,14 @@ def test_loss_multiplier_checker_accepts_right_and_rejects_wrong(capsys):
         check_loss_multiplier(lambda ws, mb, s, acc: 1 / (ws * mb * s * acc))
     with pytest.raises(WrongAnswer, match="expected"):
         check_loss_multiplier(lambda ws, mb, s, acc: 1 / (mb * s))
+
+
+def test_checkpoint_bench_refuses_bad_counts():
+    import argparse
+
+    from dtlib.bench import checkpoint
+
+    args = argparse.Namespace(world_size=2, strategy="fsdp", saves=0, steps=3,
+                              hidden=256, n_layers=4, timeout=60.0)
+    with pytest.raises(ValueError, match="--saves=0 must be >= 1"):
+        checkpoint.run(args)
