@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -353,3 +354,27 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path):
         got = load_latest_good(tmp_path, net, opt)
     assert got["step"] == 3 and got["path"].endswith("step00000003.pt")
     assert torch.equal(net.weight, good)
+
+
+def _debug_tools() -> dict:
+    """On every rank: both of Chapter 9's debugging runs, in one launch."""
+    from dtlib.chapters.ch09_checkpointing.debug_runs import (detail_mismatch,
+                                                              missing_rank)
+
+    return {"detail": detail_mismatch(), "missing": missing_rank(stuck_s=1.0,
+                                                                 timeout_s=0.2)}
+
+
+def test_debug_tools_name_the_mismatch_and_the_missing_rank():
+    """ERRATA 10's collective only rank 0 calls: TORCH_DISTRIBUTED_DEBUG=DETAIL's
+    checker makes it an error naming both ranks' calls, on both ranks (not a hang);
+    monitored_barrier names the rank that did not arrive."""
+    ranks = launch.spawn(_debug_tools, 2, stream=False, timeout=120)
+    for r in ranks:
+        assert "mismatch" in r["detail"].lower(), r["detail"]
+        assert "OpType=REDUCE, TensorShape=[1]" in r["detail"], r["detail"]
+        assert "OpType=ALLREDUCE, TensorShape=[4]" in r["detail"], r["detail"]
+        assert "TensorOptions" not in r["detail"], r["detail"]
+    assert re.search(r"Ranks? 1 failed to pass monitoredBarrier", ranks[0]["missing"]), \
+        ranks[0]["missing"]
+    assert ranks[1]["missing"] == "stuck"

@@ -46,6 +46,7 @@ from dtlib.train import job as train_job
 from dtlib.memory.recompute import RECOMPUTE_MODES
 from dtlib.models.gpt import ATTENTION
 from dtlib.train import config as config_module
+from dtlib.train.async_save import cpu_copy
 from dtlib.train.config import STRATEGY_NAMES, TrainConfig, parse_args
 from dtlib.train.faults import Preemption
 from dtlib.train.job import DoesNotFit, check_memory, lr_lambda, prepare_model
@@ -136,6 +137,38 @@ class _SignalDuring:
         return _TOKEN_LOSS(model, micro_batch)
 
 
+class _CrashDuringSave:
+    """``token_loss`` that catches an asynchronous save in flight: rank 0's DCP
+    writer is held in ``finish`` (where ``.metadata`` is written) for the save of
+    step ``step``; at the next step's forward rank 0 copies ``ckpt_dir`` (what the
+    disk holds if the job died now), then lets the writer go."""
+
+    def __init__(self, step: int, ckpt_dir: str, snapshot: str) -> None:
+        self.step, self.ckpt_dir, self.snapshot, self.calls = step, ckpt_dir, \
+            snapshot, 0
+
+    def __call__(self, model: nn.Module, micro_batch) -> torch.Tensor:
+        self.calls += 1
+        writer = torch.distributed.checkpoint.FileSystemWriter
+        if dist.get_rank() == 0 and self.calls == 1:  # hold step `step`'s writer
+            import threading
+
+            release, original = threading.Event(), writer.finish
+            held = f"step{self.step:08d}.tmp"
+
+            def finish(w, *args, **kwargs):
+                if os.path.basename(os.fspath(w.path)) == held:
+                    # a run that never reaches the release fails, it does not hang
+                    assert release.wait(timeout=600), "the writer was never released"
+                return original(w, *args, **kwargs)
+            self.release, self.original, writer.finish = release, original, finish
+        if dist.get_rank() == 0 and self.calls == self.step + 1:
+            shutil.copytree(self.ckpt_dir, self.snapshot)
+            writer.finish = self.original
+            self.release.set()
+        return _TOKEN_LOSS(model, micro_batch)
+
+
 def rank_runs(plan: list) -> dict:
     """On every rank: each ``(name, argv, defect)`` of ``plan`` through the script's
     ``train``, in turn; a callable entry (file surgery between runs) runs on rank 0.
@@ -182,12 +215,17 @@ def _damage_newest_shard(src: str, dst: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def one():
+def one(tmp_path_factory):
     """The one-process references, once each: 2 micro-batches of 2 accumulated (the
-    global batch of 2 ranks x 2, and of dp 2 x tp 2), one micro-batch of 4, bf16."""
+    global batch of 2 ranks x 2, and of dp 2 x tp 2), one micro-batch of 4 (its log
+    also as TensorBoard scalars), bf16."""
     torch.set_num_threads(1)
+    logs = tmp_path_factory.mktemp("logs")
+    log, board = str(logs / "log.jsonl"), str(logs / "tb")
     return {"sgd": one_process(*BASE, *SGD, "--accum-steps", "2"),
-            "sgd_big": one_process(*BASE, *SGD, "--micro-batch", "4"),
+            "sgd_big": {**one_process(*BASE, *SGD, "--micro-batch", "4",
+                                      "--log-file", log, "--tensorboard", board),
+                        "log_file": log, "tensorboard": board},
             "bf16_big": one_process(*BASE, *SGD, "--micro-batch", "4",
                                     "--precision", "bf16")}
 
@@ -200,6 +238,8 @@ def two(tmp_path_factory):
     ddp_ckpt, fp16_ckpt, sig_ckpt = (os.path.join(tmp, n)
                                      for n in ("ddp", "fp16", "sigterm"))
     fsdp_ckpt, damaged = os.path.join(tmp, "fsdp"), os.path.join(tmp, "fsdp_damaged")
+    async_ckpt, torn, ddp_async = (os.path.join(tmp, n) for n in
+                                   ("fsdp_async", "fsdp_torn", "ddp_async"))
     fp16 = ["--precision", "fp16", "--loss-scale", str(2.0 ** 20)]
     plan = [
         ("ddp_sgd", SGD, False), ("ddp_defect", SGD, True),
@@ -214,6 +254,18 @@ def two(tmp_path_factory):
         functools.partial(_damage_newest_shard, fsdp_ckpt, damaged),
         ("fsdp_resume", ["--strategy", "fsdp", "--ckpt-dir", fsdp_ckpt], False),
         ("fsdp_fallback", ["--strategy", "fsdp", "--ckpt-dir", damaged], False),
+        # --async-save: the step-6 save is caught in flight (torn: the disk then)
+        ("fsdp_async_crash", ["--strategy", "fsdp", "--async-save", "--ckpt-dir",
+                              async_ckpt, "--stop-after", "7"],
+         _CrashDuringSave(6, async_ckpt, torn)),
+        ("fsdp_async_resume", ["--strategy", "fsdp", "--async-save", "--ckpt-dir",
+                               async_ckpt], False),
+        functools.partial(shutil.copytree, torn, torn + "_resumed"),  # kept as torn
+        ("fsdp_torn_resume", ["--strategy", "fsdp", "--ckpt-dir", torn + "_resumed"],
+         False),
+        ("ddp_async_crash", ["--async-save", "--ckpt-dir", ddp_async,
+                             "--stop-after", "5"], False),
+        ("ddp_async_resume", ["--async-save", "--ckpt-dir", ddp_async], False),
         ("fp16", fp16, False),
         ("fp16_crash", [*fp16, "--ckpt-dir", fp16_ckpt, "--stop-after", "5"], False),
         ("fp16_resume", [*fp16, "--ckpt-dir", fp16_ckpt], False),
@@ -223,7 +275,7 @@ def two(tmp_path_factory):
     ]
     res = launch.spawn(rank_runs, 2, with_base(BASE, plan), stream=False,
                        timeout=900)[0]
-    res["fsdp_ckpt"], res["sig_ckpt"] = fsdp_ckpt, sig_ckpt
+    res["fsdp_ckpt"], res["sig_ckpt"], res["torn"] = fsdp_ckpt, sig_ckpt, torn
     return res
 
 
@@ -280,6 +332,45 @@ def test_accumulation_equals_the_large_micro_batch(one):
     assert_equal_to_one_process(one["sgd"], one["sgd_big"])
 
 
+def test_tensorboard_scalars_are_the_json_log(one):
+    """With the .[tensorboard] extra, every number of every JSON record is a scalar
+    of the same name at the same step (TensorBoard keeps float32: within float32's
+    rounding, 2**-24 relative, of the JSON's float64)."""
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not "
+                        "installed (pip install '.[tensorboard]'): TensorBoard "
+                        "scalars are not exercised here")
+    from tensorboard.backend.event_processing.event_accumulator import \
+        EventAccumulator
+
+    run = one["sgd_big"]
+    with open(run["log_file"]) as f:
+        records = [json.loads(line) for line in f]
+    events = EventAccumulator(run["tensorboard"])
+    events.Reload()
+    for key in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
+                "peak_memory_bytes"):
+        want = [(r["step"], r[key]) for r in records if key in r]
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in want], key
+        torch.testing.assert_close([v for _, v in got], [float(v) for _, v in want],
+                                   rtol=U, atol=0)
+
+
+def test_without_tensorboard_the_run_says_one_line_and_continues(tmp_path,
+                                                                 monkeypatch,
+                                                                 capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    log = tmp_path / "log.jsonl"
+    main(["--steps", "3", "--log-every", "1", "--micro-batch", "2", "--log-file",
+          str(log), "--tensorboard", str(tmp_path / "tb")])
+    said = [line for line in capsys.readouterr().out.splitlines()
+            if "tensorboard" in line]
+    assert len(said) == 1 and "not installed" in said[0], said
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] \
+        == [1, 2, 3]
+    assert not (tmp_path / "tb").exists()
+
+
 def test_bf16_stays_close_to_fp32(one):
     bf16, fp32 = one["bf16_big"]["final_loss"], one["sgd_big"]["final_loss"]
     assert bf16 != fp32  # bf16 really ran
@@ -332,6 +423,30 @@ def test_fsdp_crash_and_resume_is_bit_exact(two):
     # (AdamW has not yet acted: a one-step loss check).
     torch.testing.assert_close(two["fsdp"]["losses"]["1"], two["ddp"]["losses"]["1"],
                                rtol=loss_rtol(1), atol=0)
+
+
+@pytest.mark.timeout(1200)
+def test_async_saves_resume_as_sync_saves_and_a_torn_one_is_never_loaded(two):
+    """--async-save: the checkpoints written in the background resume to the
+    digest of the synchronous ones (FSDP2 through ``dcp.async_save``, DDP through a
+    staged CPU copy). The step-6 save caught in flight (its directory copied while
+    rank 0's writer was held before ``.metadata``) is a ``.tmp`` directory that the
+    resume does not list: it starts from step 3 and still ends bit-identical."""
+    fsdp, crash = two["fsdp"], two["fsdp_async_crash"]
+    assert crash["end_step"] == 7
+    for name, start in (("fsdp_async_resume", 6), ("fsdp_torn_resume", 3)):
+        resumed = two[name]
+        assert resumed["start_step"] == start, resumed["text"]
+        assert resumed["param_sha256"] == fsdp["param_sha256"], name
+    assert two["fsdp_async_resume"]["losses"] == two["fsdp_resume"]["losses"]
+    torn = sorted(n for n in os.listdir(two["torn"]) if n.startswith("step"))
+    assert torn == ["step00000003", "step00000006.tmp"], torn
+    held = os.listdir(os.path.join(two["torn"], "step00000006.tmp"))
+    assert ".metadata" not in held and "manifest.json" not in held, held
+    assert two["ddp_async_crash"]["end_step"] == 5
+    resumed = two["ddp_async_resume"]
+    assert resumed["start_step"] == 3
+    assert resumed["param_sha256"] == two["ddp"]["param_sha256"]
 
 
 @pytest.mark.timeout(1200)
@@ -399,26 +514,31 @@ def test_the_script_under_torchrun_equals_one_process(tmp_path, one):
 
 
 @pytest.mark.timeout(1200)
-def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_by_itself(tmp_path, two):
-    """``torchrun --max-restarts=1``: rank 1 is SIGKILLed in the middle of a random
-    step of 4..8 (--kill-at-step, first attempt only); torchrun stops rank 0 and
-    starts both again; they find the newest checkpoint (saves every 3 steps) and end
-    bit-identical to the uninterrupted 2-rank run."""
+@pytest.mark.parametrize("ranks, reference", [(2, "two"), (4, "four")])
+def test_torchrun_restarts_a_killed_rank_and_the_run_resumes_by_itself(
+        tmp_path, ranks, reference, request):
+    """``torchrun --max-restarts=1``: the last rank is SIGKILLed in the middle of a
+    random step of 4..8 (--kill-at-step, first attempt only); torchrun stops the
+    others and starts the group again; they find the newest checkpoint (saves every
+    3 steps) and end bit-identical to the uninterrupted run on as many ranks (the
+    fixture's, launched by spawn)."""
     kill = random.randint(4, 8)
     ckpt, out = tmp_path / "ckpt", tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", "--max-restarts=1", "--monitor_interval=0.1",
+           f"--nproc_per_node={ranks}", "--max-restarts=1", "--monitor_interval=0.1",
            "-m", "dtlib.train", *BASE, "--ckpt-dir", str(ckpt), "--kill-at-step",
            str(kill), "--summary-json", str(out)]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     text = done.stdout + done.stderr
     assert done.returncode == 0, text
-    assert f"SIGKILL in step {kill}" in text, text
+    assert f"rank {ranks - 1}: SIGKILL in step {kill}" in text, text
     summary = json.loads(out.read_text())
+    assert summary["world_size"] == ranks
     assert summary["start_step"] == 3 * ((kill - 1) // 3), (kill, text)
     assert summary["end_step"] == STEPS
-    assert summary["param_sha256"] == two["ddp"]["param_sha256"], (kill, text)
+    uninterrupted = request.getfixturevalue(reference)["ddp"]
+    assert summary["param_sha256"] == uninterrupted["param_sha256"], (kill, text)
 
 
 def test_sigusr1_saves_and_exits_0(tmp_path):
@@ -530,6 +650,29 @@ def test_a_toml_config_gives_defaults_that_flags_override(tmp_path, capsys):
         assert all(w in err[-1] for w in words), err
 
 
+def test_async_save_is_a_switch_in_flags_and_toml(tmp_path, capsys):
+    assert parse_args(["--async-save"]).async_save is True
+    assert parse_args([]).async_save is False
+    run = tmp_path / "run.toml"
+    run.write_text("async-save = true\n")
+    assert parse_args(["--config", str(run)]).async_save is True
+    run.write_text("async-save = 1\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(run)])
+    assert "async-save = 1 is not a bool" in capsys.readouterr().err
+
+
+def test_the_staged_copy_does_not_follow_the_live_state():
+    """What the background writer reads: a copy that the next optimizer step (an
+    in-place update) and a scheduler's list cannot change under it."""
+    live = {"w": torch.ones(3), "groups": [{"lr": [0.1]}], "step": 3}
+    staged = cpu_copy(live)
+    live["w"].add_(1)
+    live["groups"][0]["lr"].append(0.2)
+    assert torch.equal(staged["w"], torch.ones(3))
+    assert staged == {"w": staged["w"], "groups": [{"lr": [0.1]}], "step": 3}
+
+
 def test_flags_map_to_fields():
     cfg = parse_args(["--accum-steps", "3", "--lr", "0.5", "--ckpt-dir", "x",
                       "--optimizer", "sgd"])
@@ -594,3 +737,14 @@ def test_loss_multiplier_checker_accepts_right_and_rejects_wrong(capsys):
         check_loss_multiplier(lambda ws, mb, s, acc: 1 / (ws * mb * s * acc))
     with pytest.raises(WrongAnswer, match="expected"):
         check_loss_multiplier(lambda ws, mb, s, acc: 1 / (mb * s))
+
+
+def test_checkpoint_bench_refuses_bad_counts():
+    import argparse
+
+    from dtlib.bench import checkpoint
+
+    args = argparse.Namespace(world_size=2, strategy="fsdp", saves=0, steps=3,
+                              hidden=256, n_layers=4, timeout=60.0)
+    with pytest.raises(ValueError, match="--saves=0 must be >= 1"):
+        checkpoint.run(args)

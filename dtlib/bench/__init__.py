@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-BENCHMARKS = ("launch", "collectives", "ddp", "zero", "matmul", "gpu", "time")
+BENCHMARKS = ("launch", "collectives", "ddp", "zero", "matmul", "gpu", "time",
+              "checkpoint")
 
 
 def format_table(records: Iterable[dict[str, Any]]) -> str:

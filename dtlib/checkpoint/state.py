@@ -43,7 +43,7 @@ from dtlib.runtime.dist import world
 __all__ = ["CHECKPOINT_PATTERN", "checkpoint_path", "list_checkpoints",
            "latest_checkpoint", "atomic_save", "rng_state", "set_rng_state",
            "STATE_KEYS", "save_checkpoint", "load_checkpoint", "clean_leftovers",
-           "load_latest_good"]
+           "load_latest_good", "gather_state"]
 
 #: The one file-name scheme, for writing and for finding (zero-padded: sorts by name).
 CHECKPOINT_PATTERN = "step{step:08d}.pt"
@@ -209,25 +209,39 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
 
     Taught in: Chapter 9, "The whole state".
     """
+    state = gather_state(step, model, optimizer, scheduler, sampler, epoch, scaler)
+    path = None
+    if state is not None:  # rank 0
+        clean_leftovers(ckpt_dir)  # a killed save's temporary files
+        path = atomic_save(state, checkpoint_path(ckpt_dir, step))
+    if dist.is_initialized():
+        dist.barrier()  # nobody looks for the file before it exists
+    return path
+
+
+def gather_state(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any = None, sampler: ResumableSampler | None = None,
+                 epoch: int = 0, scaler: Any = None) -> dict[str, Any] | None:
+    """What :func:`save_checkpoint` writes: on rank 0 the whole state as one dict
+    (its tensors are the live ones, not copies), None on the other ranks. A
+    collective (the per-rank RNG and sampler states are gathered).
+
+    Taught in: Chapter 9, "The whole state".
+    """
     per_rank = {**rng_state(), "sampler": sampler.state_dict() if sampler else None}
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, per_rank)
     else:
         gathered = [per_rank]
-    path = None
-    if world().rank == 0:
-        clean_leftovers(ckpt_dir)  # a killed save's temporary files
-        state = {"step": step, "epoch": epoch, "world_size": len(gathered),
-                 "model": unwrap(model).state_dict(),
-                 "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict() if scheduler else None,
-                 "scaler": scaler.state_dict() if scaler is not None else None,
-                 "per_rank": gathered}
-        path = atomic_save(state, checkpoint_path(ckpt_dir, step))
-    if dist.is_initialized():
-        dist.barrier()  # nobody looks for the file before it exists
-    return path
+    if world().rank != 0:
+        return None
+    return {"step": step, "epoch": epoch, "world_size": len(gathered),
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "per_rank": gathered}
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,

@@ -266,6 +266,19 @@ def sync(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
+def cpu_group() -> Any:
+    """A new process group of every rank on the CPU backend (gloo), whatever the
+    training backend: for collectives that a background thread runs on CPU tensors
+    (``torch.distributed.checkpoint.async_save``'s planning), apart from the
+    training group, whose collectives they would otherwise interleave with.
+
+    A collective: every rank calls it, in the same order.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    return dist.new_group(backend="gloo")
+
+
 def destroy() -> None:
     """Leave the process group (safe to call when none exists)."""
     if dist.is_available() and dist.is_initialized():

@@ -11,8 +11,10 @@
 - :mod:`~dtlib.train.job`: everything a run is made of, built from the configuration.
 - :mod:`~dtlib.train.state`: saving and resuming the whole training state, and
   ``--export-hf``.
+- :mod:`~dtlib.train.async_save`: ``--async-save``, checkpoints written in the
+  background and published once whole.
 - :mod:`~dtlib.train.metrics`: what the log says (step time, tokens/s, MFU, peak
-  memory, held-out loss) and the JSON-lines log.
+  memory, held-out loss), the JSON-lines log and TensorBoard scalars.
 - :mod:`~dtlib.train.faults`: preemption signals, a dead rank's rehearsal,
   ``--keep-last``.
 - :mod:`~dtlib.train.loop`: ``main``: build, resume, and the one loop (``run_steps``).

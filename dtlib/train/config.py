@@ -97,6 +97,12 @@ class TrainConfig:
         the command line override it.
     export_hf: hf-llama only: after training, rank 0 writes the full model here
         with ``save_pretrained`` (``from_pretrained`` loads it).
+    async_save: save in the background: the loop waits only while the state is
+        copied to CPU memory; a thread writes it (``dcp.async_save`` for sharded
+        checkpoints) and the next save, or the end of the run, waits for it.
+    tensorboard: also write the logged scalars as TensorBoard events to this
+        directory (needs the .[tensorboard] extra; without it the run says so in
+        one line and continues).
     """
 
     strategy: str = "ddp"
@@ -139,6 +145,8 @@ class TrainConfig:
     recompute: str = "none"
     config: str | None = None
     export_hf: str | None = None
+    async_save: bool = False
+    tensorboard: str | None = None
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, STRATEGY_NAMES)
@@ -147,6 +155,11 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZER_NAMES)
         _choice("attention", self.attention, ATTENTION)
         _choice("recompute", self.recompute, RECOMPUTE)
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save={self.async_save!r} must be True or False")
+        if self.tensorboard is not None and os.path.isfile(self.tensorboard):
+            raise ValueError(f"tensorboard={self.tensorboard!r} is a file; allowed: "
+                             "a directory (it is created if missing)")
         if self.recompute == "selective" and self.model != "gpt":
             raise ValueError(f"recompute='selective' is implemented for model='gpt' "
                              f"only, not model={self.model!r}; allowed: none, full")
@@ -243,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(run under torchrun).")
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
+        if str(f.type) == "bool":  # a switch: present or absent
+            parser.add_argument("--" + f.name.replace("_", "-"), action="store_true",
+                                help=doc.get(f.name, ""))
+            continue
         kind = {"int": int, "float": float}.get(str(f.type), str)
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind,
                             default=default, help=f"{doc.get(f.name, '')} "
@@ -300,7 +317,8 @@ def read_toml(path: str, parser: argparse.ArgumentParser) -> dict[str, object]:
             table = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         parser.error(f"argument --config: {path}: {exc}")
-    kinds = {a.dest: a.type for a in parser._actions if a.dest != "help"}
+    kinds = {a.dest: bool if isinstance(a.const, bool) else a.type
+             for a in parser._actions if a.dest != "help"}
     out: dict[str, object] = {}
     for key, value in table.items():
         name = key.replace("-", "_")
@@ -308,7 +326,8 @@ def read_toml(path: str, parser: argparse.ArgumentParser) -> dict[str, object]:
             parser.error(f"argument --config: {path}: unknown key {key!r}; allowed: "
                          "the flags' names, e.g. 'accum-steps'")
         kind = kinds[name] or str
-        if isinstance(value, (dict, list, bool)) or (kind is int and isinstance(
+        if (kind is bool) != isinstance(value, bool) or isinstance(
+                value, (dict, list)) or (kind is int and isinstance(
                 value, float)) or (kind is not str and isinstance(value, str)):
             parser.error(f"argument --config: {path}: {key} = {value!r} is not "
                          f"a{'n' if kind is int else ''} {kind.__name__}")

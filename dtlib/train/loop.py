@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dtlib.memory.formulas import GB
 from dtlib.models.run import RunResult, run_steps
 from dtlib.runtime import dist as ddist
+from dtlib.train.async_save import BackgroundSaver
 from dtlib.train.config import TrainConfig, parse_args
 from dtlib.train.faults import Preemption, kill_rehearsal, retain
 from dtlib.train.job import Job, build_job
@@ -77,7 +78,7 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
         x = job.data.rows(torch.arange(cfg.micro_batch))[:, :-1].to(world.device)
         job.strategy.warm_up(job.model, x)  # DDP: same buckets fresh or resumed
     log = RunLog(cfg.log_file or (os.path.join(cfg.ckpt_dir, "train_log.jsonl")
-                                  if cfg.ckpt_dir else None))
+                                  if cfg.ckpt_dir else None), cfg.tensorboard)
     flops = flops_per_token(job.n_params, cfg.n_layers, cfg.seq_len, cfg.hidden) \
         * job.global_tokens  # per step, every device together
     peak = _peak_flops(job)
@@ -86,9 +87,18 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     stop = Preemption()
     batch_fn = kill_rehearsal(job.batch_fn, cfg.kill_at_step, world.world_size - 1)
 
-    def save(step: int) -> None:
-        save_state(job, step)
+    def keep() -> None:
         retain(cfg.ckpt_dir, cfg.keep_last, job.strategy.sharded_checkpoint)
+
+    saver = BackgroundSaver(job, published=keep) if cfg.async_save and cfg.ckpt_dir \
+        else None
+
+    def save(step: int) -> None:
+        if saver is not None:  # waits for the previous save, stages this one
+            saver.save(step)
+            return
+        save_state(job, step)
+        keep()
 
     def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
         clock.step_done()
@@ -129,6 +139,9 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
                            step_fn=job.step_fn, max_grad_norm=cfg.grad_clip
                            if cfg.grad_clip > 0 else math.inf, record_grads=False,
                            record_params=False, on_step=on_step)
+    if saver is not None:
+        saver.close()  # the last save is written and published before we leave
+    log.close()
     if cfg.export_hf:
         export_hf(job, cfg.export_hf)
     result.extra.update(eval_losses=evals, preempted=preempted[0] if preempted

@@ -42,7 +42,7 @@ from dtlib.runtime import dist as ddist
 from dtlib.train.model import logits_of
 
 __all__ = ["flops_per_token", "measured_peak_flops", "peak_memory", "evaluate",
-           "StepClock", "RunLog"]
+           "StepClock", "RunLog", "tensorboard_writer"]
 
 
 def flops_per_token(n_params: int, n_layers: int, seq_len: int, hidden: int) -> int:
@@ -169,15 +169,19 @@ class StepClock:
 
 
 class RunLog:
-    """Rank 0's log: a printed line and a JSON line (appended to ``path``) per record.
+    """Rank 0's log: a printed line and a JSON line (appended to ``path``) per record,
+    and, with ``tensorboard`` (a directory), the record's numbers as TensorBoard
+    scalars at its step (the same names as the JSON keys).
 
     Taught in: Chapter 10, "What the log says".
     """
 
-    def __init__(self, path: str | None) -> None:
-        self.path = path if ddist.world().is_main else None
+    def __init__(self, path: str | None, tensorboard: str | None = None) -> None:
+        main = ddist.world().is_main
+        self.path = path if main else None
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.board = tensorboard_writer(tensorboard) if tensorboard and main else None
 
     def write(self, record: dict[str, Any], line: str) -> None:
         """Print ``line`` on rank 0 and append ``record`` to the log file."""
@@ -185,3 +189,30 @@ class RunLog:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
+                    self.board.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        """Flush the TensorBoard events to disk."""
+        if self.board is not None:
+            self.board.close()
+
+
+def tensorboard_writer(logdir: str) -> Any:
+    """A TensorBoard ``SummaryWriter`` on ``logdir``, or None when the tensorboard
+    package is not installed: the run then says so in one line and goes on (the
+    JSON log has the same numbers).
+
+    Taught in: Chapter 10, "What the log says".
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's wrapper needs the tensorboard package
+        ddist.rprint(f"--tensorboard {logdir}: the tensorboard package is not "
+                     "installed (pip install 'dtlib[tensorboard]'); continuing "
+                     "without TensorBoard scalars (the JSON log has them)")
+        return None
+    return SummaryWriter(logdir)

@@ -39,7 +39,8 @@ from dtlib.models.run import full_tensor, unwrap
 from dtlib.runtime.dist import rprint
 from dtlib.train.job import Job
 
-__all__ = ["save_state", "resume", "param_digest", "dcp_dirs", "export_hf"]
+__all__ = ["save_state", "begin_sharded", "publish_sharded", "resume", "param_digest",
+           "dcp_dirs", "export_hf"]
 
 
 def dcp_dirs(ckpt_dir: str) -> list[str]:
@@ -136,25 +137,46 @@ def save_state(job: Job, step: int) -> None:
         return
     # FSDP: every rank writes its shards (DCP) and its own sampler/RNG file into a
     # temporary directory; rank 0 renames it once all are done (atomic, like Ch. 9).
-    final = os.path.join(cfg.ckpt_dir, f"step{step:08d}")
+    tmp, final = begin_sharded(job, step)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        publish_sharded(tmp, final, step, cfg.tp)
+    dist.barrier()
+
+
+def begin_sharded(job: Job, step: int) -> tuple[str, str]:
+    """Start the sharded save of ``step``: rank 0 deletes what killed saves left, and
+    every rank writes its scheduler, sampler and RNG file into the temporary
+    directory. Returns (the temporary directory, the final one). Every rank calls it.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    final = os.path.join(job.cfg.ckpt_dir, f"step{step:08d}")
     tmp = final + ".tmp"
     rank = dist.get_rank()
     if rank == 0:
-        clean_leftovers(cfg.ckpt_dir)  # what a killed save left behind
+        clean_leftovers(job.cfg.ckpt_dir)  # what a killed save left behind
     dist.barrier()
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    atomic_save({"step": step, "scheduler": sched.state_dict(),
-                 "sampler": sampler.state_dict(), **rng_state(),
-                 "scaler": scaler.state_dict() if scaler is not None else None},
-                os.path.join(tmp, f"rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:  # every file is written: hash them all (a load verifies first)
-        write_manifest(tmp, world_size=dist.get_world_size(), step=step, tp=cfg.tp)
-        if os.path.isdir(final):  # a damaged save of this step, resumed from before
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    dist.barrier()
+    atomic_save({"step": step, "scheduler": job.scheduler.state_dict(),
+                 "sampler": job.sampler.state_dict(), **rng_state(),
+                 "scaler": job.scaler.state_dict() if job.scaler is not None
+                 else None}, os.path.join(tmp, f"rank{rank}.pt"))
+    return tmp, final
+
+
+def publish_sharded(tmp: str, final: str, step: int, tp: int) -> None:
+    """Make a finished sharded save visible, on one rank once every file is written:
+    hash them all into the manifest (a load verifies first), then rename the
+    temporary directory to its final name. Runs no collective.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    write_manifest(tmp, world_size=dist.get_world_size(), step=step, tp=tp)
+    if os.path.isdir(final):  # a damaged save of this step, resumed from before
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def resume(job: Job) -> int:

@@ -1,0 +1,132 @@
+"""Saves that do not stop training: ``--async-save``.
+
+A synchronous save stalls every rank for the whole write (serialise, write, fsync,
+hash). An asynchronous one stalls the loop only while the state is copied to CPU
+memory (the copy is what the next optimizer step may no longer change); a
+background thread writes the copy while training goes on:
+
+- sharded (FSDP2): ``torch.distributed.checkpoint.async_save`` on a gloo process
+  group of its own (:func:`dtlib.runtime.dist.cpu_group`): DCP's planning and
+  finishing collectives run in its writer thread, and on the training group they
+  would interleave with the steps' collectives in another order on each rank;
+- replicated (DDP): rank 0 stages a CPU copy of the one-file state
+  (:func:`dtlib.checkpoint.state.gather_state`) and a thread ``atomic_save``s it.
+
+Publishing is what makes a checkpoint visible, and it comes last: the DCP directory
+is written as ``stepNNNNNNNN.tmp`` and renamed, after its manifest, once every
+rank's writer is done (rank 0's DCP future completes only after every rank's
+``write_data``); the single file appears by ``os.replace``. The next save, and the
+end of the run, first wait for the previous one: one save in flight at most, and
+``--keep-last`` deletes old checkpoints only once the new one is published. A crash
+in the middle leaves a ``.tmp`` directory or a ``.part`` file, which no resume lists
+and the next save deletes.
+
+Taught in: Chapter 10, "Crash and resume".
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from dtlib.checkpoint.state import (atomic_save, checkpoint_path, clean_leftovers,
+                                    gather_state)
+from dtlib.runtime import dist as ddist
+from dtlib.train.job import Job
+from dtlib.train.state import begin_sharded, publish_sharded
+
+__all__ = ["BackgroundSaver", "cpu_copy"]
+
+
+def cpu_copy(tree: Any) -> Any:
+    """A deep copy of a state dict with every tensor copied to CPU memory: what a
+    background writer may read while training changes the live tensors.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: cpu_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [cpu_copy(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(cpu_copy(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+class BackgroundSaver:
+    """Asynchronous saves of a :class:`~dtlib.train.job.Job`, one in flight at most.
+
+    ``save(step)`` waits for the previous save, stages this one and returns;
+    ``close()`` waits for the last one. Every rank calls both at the same steps.
+
+    Args:
+        job: the live run (its strategy says which format; ``cfg.ckpt_dir`` where).
+        published: called on every rank once a save is published (the capstone's
+            ``--keep-last`` retention).
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+
+    def __init__(self, job: Job, published: Callable[[], Any] | None = None) -> None:
+        if not hasattr(dcp, "async_save"):  # pragma: no cover - torch < 2.3
+            raise RuntimeError("--async-save needs torch.distributed.checkpoint."
+                               "async_save (torch >= 2.3); this is "
+                               f"{torch.__version__}")
+        self.job, self.published = job, published
+        self.pending: Future | None = None
+        self.group: Any = None  # the writer's gloo group, made at the first save
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
+
+    def save(self, step: int) -> None:
+        """Wait for the previous save, then start the save of ``step``."""
+        self.wait()
+        job = self.job
+        if not job.strategy.sharded_checkpoint:  # one file, rank 0
+            state = gather_state(step, job.model, job.optimizer, job.scheduler,
+                                 job.sampler, scaler=job.scaler)  # a collective
+            if state is not None:
+                clean_leftovers(job.cfg.ckpt_dir)
+                self.pending = self.pool.submit(
+                    atomic_save, cpu_copy(state), checkpoint_path(job.cfg.ckpt_dir,
+                                                                  step))
+            return
+        if self.group is None:
+            self.group = ddist.cpu_group()  # a collective: every rank, same save
+        tmp, final = begin_sharded(job, step)
+        msd, osd = get_state_dict(job.model, job.optimizer)
+        written = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=tmp,
+                                 process_group=self.group)  # staged when it returns
+        written = getattr(written, "upload_completion", written)  # newer stagers
+        if dist.get_rank() != 0:
+            self.pending = written
+            return
+
+        def publish() -> None:  # rank 0's future: every rank's files are written
+            written.result()
+            publish_sharded(tmp, final, step, job.cfg.tp)
+        self.pending = self.pool.submit(publish)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and published; a
+        writer's error is raised here."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.result()
+        if self.published is not None:
+            self.published()
+
+    def close(self) -> None:
+        """Wait for the last save; every rank returns once it is published."""
+        self.wait()
+        self.pool.shutdown()
+        if dist.is_initialized():
+            dist.barrier()
