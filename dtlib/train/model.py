@@ -18,7 +18,7 @@ Taught in: Chapter 10, "A Hugging Face model".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,8 @@ from dtlib.memory.recompute import apply_recompute
 from dtlib.models.gpt import GPT, GPTConfig, build_gpt
 from dtlib.train.config import TrainConfig
 
-__all__ = ["build_model", "count_params", "logits_of", "HF_ATTENTION"]
+__all__ = ["build_model", "count_params", "logits_of", "HF_ATTENTION",
+           "starts_on_meta", "init_model", "unit_params"]
 
 #: ``--attention`` -> transformers' ``attn_implementation``.
 HF_ATTENTION = {"explicit": "eager", "sdpa": "sdpa"}
@@ -65,9 +66,9 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
         gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                          n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
                          attention=cfg.attention)
-        if meta:
+        if meta:  # shapes only: init_model writes the seeded values later
             with torch.device("meta"):
-                return GPT(gcfg)
+                return apply_recompute(GPT(gcfg), cfg.recompute)
         return apply_recompute(build_gpt(gcfg, seed=cfg.seed), cfg.recompute)
     from dtlib.models import hf
 
@@ -85,6 +86,49 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
             or model.gradient_checkpointing_enable  # its name before transformers 5.x
         enable({"use_reentrant": False})
     return model
+
+
+def starts_on_meta(cfg: TrainConfig) -> bool:
+    """Whether the model ``cfg`` names starts on the meta device (the book's GPT,
+    which :func:`init_model` initialises in place) or is built whole on the CPU (a
+    Hugging Face model: its own constructor, or ``from_pretrained``).
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    return cfg.model == "gpt"
+
+
+def init_model(model: nn.Module, cfg: TrainConfig,
+               probe: Callable[[nn.Module], None] | None = None) -> None:
+    """Write ``build_model(cfg)``'s seeded values into ``model``, a meta-device
+    build of it that was sharded (or not) and then ``to_empty``-ed onto a device.
+
+    Args:
+        model: the model (unwrapped or sharded in place; DDP wraps afterwards).
+        cfg: the run's configuration (``seed``).
+        probe: called with each module's full CPU values while they exist (to
+            measure what a rank holds during set-up).
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    if not starts_on_meta(cfg):
+        raise ValueError(f"model={cfg.model!r} does not start on the meta device; "
+                         "allowed: 'gpt'")
+    model.init_weights(cfg.seed, probe=probe)
+
+
+def unit_params(cfg: TrainConfig) -> int:
+    """Parameters of the largest FSDP unit of the model ``cfg`` names: one decoder
+    layer, or the root's own (embeddings, final norm, head), counted on meta.
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    model = build_model(cfg, meta=True)
+    layers = [m for m in model.modules() if isinstance(m, nn.ModuleList)][0]
+    inside = {id(p) for p in layers.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    return max(root, *(sum(p.numel() for p in layer.parameters())
+                       for layer in layers))
 
 
 def count_params(cfg: TrainConfig) -> int:
