@@ -156,12 +156,13 @@ def start_model(cfg: TrainConfig, strategy: Strategy, par: Parallelism,
     """The wrapped model with ``build_model(cfg)``'s values, never whole on a rank
     that shards it.
 
-    The book's GPT starts on the meta device (shapes, no memory). A sharding
+    The book's GPT and a random-init Llama start on the meta device (shapes, no
+    memory; :func:`dtlib.train.model.starts_on_meta`). A sharding
     strategy (``shards_on_meta``: FSDP2, FSDP x TP) applies there, then
     ``to_empty`` allocates this rank's shards on ``device`` and
     :func:`dtlib.train.model.init_model` writes the seeded values module by module;
-    DDP allocates and initialises the replica first, then wraps. A Hugging Face
-    model is built whole (its own constructor or ``from_pretrained``), as before.
+    DDP allocates and initialises the replica first, then wraps. ``--init-from``
+    (``from_pretrained``) builds the model whole, as before.
 
     Args:
         cfg: the configuration; strategy, par: its row and its Parallelism.

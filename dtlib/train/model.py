@@ -75,8 +75,8 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
     config = _hf_config(cfg)
     if meta:
         with torch.device("meta"):
-            return hf.build_hf_llama(config)
-    if cfg.init_from:
+            model = hf.build_hf_llama(config)
+    elif cfg.init_from:
         model = hf.load_pretrained(cfg.init_from)
         model.config._attn_implementation = HF_ATTENTION[cfg.attention]
     else:
@@ -89,13 +89,17 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
 
 
 def starts_on_meta(cfg: TrainConfig) -> bool:
-    """Whether the model ``cfg`` names starts on the meta device (the book's GPT,
-    which :func:`init_model` initialises in place) or is built whole on the CPU (a
-    Hugging Face model: its own constructor, or ``from_pretrained``).
+    """Whether the model ``cfg`` names starts on the meta device (the book's GPT, a
+    random-init Hugging Face Llama with an untied head: :func:`init_model`
+    initialises them in place) or is built whole on the CPU (``--init-from``'s
+    ``from_pretrained``, a tied head).
 
     Taught in: Chapter 10, "Refuse what cannot fit".
     """
-    return cfg.model == "gpt"
+    if cfg.model == "gpt":
+        return True
+    return not cfg.init_from and not getattr(_hf_config(cfg), "tie_word_embeddings",
+                                             False)
 
 
 def init_model(model: nn.Module, cfg: TrainConfig,
@@ -112,9 +116,15 @@ def init_model(model: nn.Module, cfg: TrainConfig,
     Taught in: Chapter 10, "Refuse what cannot fit".
     """
     if not starts_on_meta(cfg):
-        raise ValueError(f"model={cfg.model!r} does not start on the meta device; "
-                         "allowed: 'gpt'")
-    model.init_weights(cfg.seed, probe=probe)
+        raise ValueError(f"model={cfg.model!r} (init_from={cfg.init_from!r}) does "
+                         "not start on the meta device; allowed: 'gpt', or "
+                         "'hf-llama' with random weights and an untied head")
+    if cfg.model == "gpt":
+        model.init_weights(cfg.seed, probe=probe)
+        return
+    from dtlib.models import hf
+
+    hf.init_weights(model, cfg.seed, probe=probe)
 
 
 def unit_params(cfg: TrainConfig) -> int:
