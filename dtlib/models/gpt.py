@@ -11,6 +11,7 @@ Taught in: Chapter 1 (memory), used by every later chapter.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -167,9 +168,8 @@ class GPT(nn.Module):
 
         if self.cfg.tie_weights and self.head.weight is not self.tok_emb.weight:
             self.head.weight = self.tok_emb.weight  # to_empty allocates each anew
+        recipe = meta_gpt(self.cfg)  # its module order = the generator's order
         with torch.random.fork_rng(devices=[]):
-            with torch.device("meta"):
-                recipe = GPT(self.cfg)  # module order = the generator's order
             torch.manual_seed(seed)
             replay_init(self, recipe, (_constructed, _reinitialised), probe)
         with torch.no_grad():
@@ -239,6 +239,20 @@ def _reinitialised(module: nn.Module) -> bool:
     # modules that own parameters come in the same order)
     _init_weights(module)
     return isinstance(module, (nn.Linear, nn.Embedding))
+
+
+@functools.lru_cache(maxsize=8)
+def meta_gpt(cfg: GPTConfig) -> GPT:
+    """The GPT of ``cfg`` on the meta device (shapes, no memory), built once per
+    configuration: on ``meta`` every initialiser runs through Python
+    decompositions, a hundred times slower than the real build of a small model.
+    Shared: ``copy.deepcopy`` it before changing it (a copy of meta tensors costs
+    nothing).
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return GPT(cfg)
 
 
 def build_gpt(cfg: GPTConfig | None = None, seed: int = 0) -> GPT:

@@ -91,7 +91,7 @@ def replay_init(model: nn.Module, recipe: nn.Module,
               if any(True for _ in m.parameters(recurse=False))]
     for phase in phases:
         for name, module in owners:
-            twin = copy.deepcopy(module).to_empty(device="cpu")
+            twin = _cpu_twin(module)
             if not phase(twin):
                 continue
             target = model.get_submodule(name)
@@ -101,6 +101,18 @@ def replay_init(model: nn.Module, recipe: nn.Module,
             if probe is not None:
                 probe(twin)
             del twin  # one module's full values at a time
+
+
+def _cpu_twin(module: nn.Module) -> nn.Module:
+    """``module`` alone, its own parameters fresh full-size CPU tensors (a shallow
+    copy: its attributes, children and buffers are shared, not copied)."""
+    twin = copy.copy(module)
+    twin._parameters = {
+        name: None if p is None else nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device="cpu"),
+            requires_grad=p.requires_grad)
+        for name, p in module._parameters.items()}
+    return twin
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

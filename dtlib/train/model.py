@@ -18,13 +18,14 @@ Taught in: Chapter 10, "A Hugging Face model".
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from dtlib.memory.recompute import apply_recompute
-from dtlib.models.gpt import GPT, GPTConfig, build_gpt
+from dtlib.models.gpt import GPTConfig, build_gpt, meta_gpt
 from dtlib.train.config import TrainConfig
 
 __all__ = ["build_model", "count_params", "logits_of", "HF_ATTENTION",
@@ -63,12 +64,9 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
     Taught in: Chapter 10, "A Hugging Face model".
     """
     if cfg.model == "gpt":
-        gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                         n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
-                         attention=cfg.attention)
+        gcfg = _gpt_config(cfg)
         if meta:  # shapes only: init_model writes the seeded values later
-            with torch.device("meta"):
-                return apply_recompute(GPT(gcfg), cfg.recompute)
+            return apply_recompute(copy.deepcopy(meta_gpt(gcfg)), cfg.recompute)
         return apply_recompute(build_gpt(gcfg, seed=cfg.seed), cfg.recompute)
     from dtlib.models import hf
 
@@ -133,7 +131,7 @@ def unit_params(cfg: TrainConfig) -> int:
 
     Taught in: Chapter 10, "Refuse what cannot fit".
     """
-    model = build_model(cfg, meta=True)
+    model = _shapes(cfg)
     layers = [m for m in model.modules() if isinstance(m, nn.ModuleList)][0]
     inside = {id(p) for p in layers.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
@@ -146,7 +144,20 @@ def count_params(cfg: TrainConfig) -> int:
 
     Taught in: Chapter 10, "Refuse what cannot fit".
     """
-    return sum(p.numel() for p in build_model(cfg, meta=True).parameters())
+    return sum(p.numel() for p in _shapes(cfg).parameters())
+
+
+def _shapes(cfg: TrainConfig) -> nn.Module:
+    """The model on meta, to read and not to change (the GPT's is shared)."""
+    if cfg.model != "gpt":
+        return build_model(cfg, meta=True)
+    return meta_gpt(_gpt_config(cfg))
+
+
+def _gpt_config(cfg: TrainConfig) -> GPTConfig:
+    return GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+                     n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
+                     attention=cfg.attention)
 
 
 def logits_of(output: Any) -> torch.Tensor:
