@@ -38,7 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.checkpoint.state import list_checkpoints
-from dtlib.models.run import Parallelism
+from dtlib.models.init import storage_bytes
+from dtlib.models.run import Parallelism, tensors_by_name, unwrap
 from dtlib.runtime import dist as ddist
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
@@ -51,7 +52,8 @@ from dtlib.train.config import STRATEGY_NAMES, TrainConfig, parse_args
 from dtlib.train.faults import Preemption
 from dtlib.train.job import DoesNotFit, check_memory, lr_lambda, prepare_model
 from dtlib.train.loop import main, train
-from dtlib.train.model import build_model
+from dtlib.train.model import build_model, unit_params
+from dtlib.train.state import resume
 from dtlib.train.strategies import STRATEGIES
 from fp32_tolerance import U32
 
@@ -178,6 +180,9 @@ def rank_runs(plan: list) -> dict:
     """
     out = {}
     for entry in plan:
+        if isinstance(entry, Everywhere):
+            out[entry.name] = entry.fn(*entry.args)
+            continue
         if callable(entry):
             if dist.get_rank() == 0:
                 entry()
@@ -199,9 +204,31 @@ def rank_runs(plan: list) -> dict:
     return out
 
 
+class Everywhere:
+    """A plan entry that every rank runs: ``fn(*args)``, its result kept as
+    ``name`` (rank 0's); flags in ``args`` get the plan's base in front."""
+
+    def __init__(self, name: str, fn, *args) -> None:
+        self.name, self.fn, self.args = name, fn, args
+
+
 def with_base(base: list[str], plan: list) -> list:
     """``plan`` with ``base`` in front of every run's flags."""
-    return [e if callable(e) else (e[0], [*base, *e[1]], e[2]) for e in plan]
+    return [Everywhere(e.name, e.fn, *(a if not isinstance(a, list) else [*base, *a]
+                                       for a in e.args))
+            if isinstance(e, Everywhere) else e if callable(e)
+            else (e[0], [*base, *e[1]], e[2]) for e in plan]
+
+
+def _keep_until(src: str, dst: str, step: int) -> None:
+    """Copy ``src``'s checkpoints to ``dst`` without those after ``step`` (a run
+    that was stopped there)."""
+    shutil.copytree(src, dst)
+    for name in os.listdir(dst):
+        found = re.search(r"(\d{8})", name)
+        if found and int(found.group(1)) > step:
+            path = os.path.join(dst, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def _damage_newest_shard(src: str, dst: str) -> None:
@@ -212,6 +239,75 @@ def _damage_newest_shard(src: str, dst: str) -> None:
     shard = sorted(n for n in os.listdir(step6) if n.endswith(".distcp"))[0]
     with open(os.path.join(step6, shard), "r+b") as f:
         f.truncate(64)
+
+
+def sharded_start(argv: list[str]) -> dict:
+    """On every rank: the meta-device start-up of ``argv``'s model against the
+    whole build (today's: ``build_model`` then ``prepare_model``), and the bytes of
+    parameter storage this rank holds after each set-up step."""
+    cfg = parse_args(argv)
+    strategy = STRATEGIES[cfg.strategy]
+    seen: list[tuple[str, int]] = []
+
+    def probe(step: str, model: nn.Module, twin: nn.Module | None) -> None:
+        held = storage_bytes(model.parameters())  # this rank's shards (padding too)
+        if twin is not None:  # one module's full values, on the CPU
+            held += storage_bytes(twin.parameters())
+        seen.append((step, held))
+
+    meta = train_job.start_model(cfg, strategy, strategy.parallelism(cfg, world()),
+                                 world().device, probe)
+    whole = prepare_model(build_model(cfg), strategy.parallelism(cfg, world()),
+                          world().device)
+    got, ref = tensors_by_name(unwrap(meta)), tensors_by_name(unwrap(whole))
+    return {"same_names": sorted(got) == sorted(ref),
+            "unequal": [n for n in ref if not torch.equal(got[n], ref[n])],
+            "seen": seen, "shard": storage_bytes(meta.parameters()),
+            "whole": 4 * sum(p.numel() for p in build_model(cfg).parameters()),
+            "unit": 4 * unit_params(cfg)}
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    """Every tensor of a nested state dict, by its dotted path."""
+    if torch.is_tensor(tree):
+        return {prefix: tree.detach().cpu()}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, (list, tuple)) else ()
+    out = {}
+    for key, value in items:
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def loaded_state(argv: list[str], saved: str) -> dict:
+    """On every rank: build ``argv``'s job, resume it from its ``--ckpt-dir`` and
+    compare the full model and optimizer state it loaded with the checkpoint
+    ``saved`` read back on its own (rank 0): tensor by tensor, bit for bit."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_state_dict)
+
+    job = train_job.build_job(parse_args(argv), world())
+    step = resume(job)
+    if job.strategy.sharded_checkpoint:
+        msd, osd = get_state_dict(job.model, job.optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))  # a collective
+        loaded = _flat({"model": msd, "optim": osd})
+        if dist.get_rank() == 0:
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            whole = os.path.join(os.path.dirname(saved), "whole.pt")
+            dcp_to_torch_save(saved, whole)
+            ref = _flat(torch.load(whole, weights_only=False))
+    else:
+        loaded = _flat({"model": unwrap(job.model).state_dict(),
+                        "optimizer": job.optimizer.state_dict()["state"]})
+        state = torch.load(saved, weights_only=True)
+        ref = _flat({"model": state["model"], "optimizer": state["optimizer"]["state"]})
+    if dist.get_rank() != 0:
+        return {}
+    return {"step": step, "n": len(ref), "same_keys": sorted(loaded) == sorted(ref),
+            "unequal": [k for k in ref if k in loaded
+                        and not torch.equal(loaded[k], ref[k])]}
 
 
 @pytest.fixture(scope="module")
@@ -240,10 +336,15 @@ def two(tmp_path_factory):
     fsdp_ckpt, damaged = os.path.join(tmp, "fsdp"), os.path.join(tmp, "fsdp_damaged")
     async_ckpt, torn, ddp_async = (os.path.join(tmp, n) for n in
                                    ("fsdp_async", "fsdp_torn", "ddp_async"))
+    ddp_sgd, fsdp_sgd = os.path.join(tmp, "ddp_sgd"), os.path.join(tmp, "fsdp_sgd")
     fp16 = ["--precision", "fp16", "--loss-scale", str(2.0 ** 20)]
     plan = [
-        ("ddp_sgd", SGD, False), ("ddp_defect", SGD, True),
-        ("fsdp_sgd", ["--strategy", "fsdp", *SGD], False),
+        Everywhere("start_fsdp", sharded_start, ["--strategy", "fsdp"]),
+        Everywhere("start_ddp", sharded_start, []),
+        # saves at 3, 6, 8: the 2-rank checkpoints that 4 ranks resume
+        ("ddp_sgd", [*SGD, "--ckpt-dir", ddp_sgd], False),
+        ("ddp_defect", SGD, True),
+        ("fsdp_sgd", ["--strategy", "fsdp", *SGD, "--ckpt-dir", fsdp_sgd], False),
         ("ddp", [], False),
         ("ddp_crash", ["--ckpt-dir", ddp_ckpt, "--stop-after", "5"], False),
         ("ddp_resume", ["--ckpt-dir", ddp_ckpt], False),
@@ -276,17 +377,46 @@ def two(tmp_path_factory):
     res = launch.spawn(rank_runs, 2, with_base(BASE, plan), stream=False,
                        timeout=900)[0]
     res["fsdp_ckpt"], res["sig_ckpt"], res["torn"] = fsdp_ckpt, sig_ckpt, torn
+    res["ckpt"] = {"ddp": ddp_sgd, "fsdp": fsdp_sgd}
     return res
 
 
+#: The resume-elsewhere runs: global batch 4 on 2 ranks (micro-batch 2) and on 4
+#: (micro-batch 1), SGD (the module docstring), by strategy.
+ELSEWHERE = {"ddp": SGD, "fsdp": ["--strategy", "fsdp", *SGD]}
+
+
+def elsewhere_plan(saved: dict, tmp: str, ranks: int) -> list:
+    """Each strategy's checkpoint of the other world size, cut back to step 6 (a
+    run stopped there): its loaded state read, then the run continued to 8."""
+    micro = ["--micro-batch", str(4 // ranks)]
+    plan = []
+    for name, flags in ELSEWHERE.items():
+        ckpt = os.path.join(tmp, f"{name}_from_other")
+        step6 = os.path.join(ckpt, "step00000006" + ("" if name == "fsdp" else ".pt"))
+        argv = [*flags, *micro, "--ckpt-dir", ckpt]
+        plan += [functools.partial(_keep_until, saved[name], ckpt, 6),
+                 Everywhere(f"{name}_loaded", loaded_state, argv, step6),
+                 (f"{name}_elsewhere", argv, False)]
+    return plan
+
+
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
+def four(tmp_path_factory, two):
     """Every 4-rank run, in one launch: DDP crash-and-resume (the ring's sum order
-    depends on the bucket layout), and FSDP2 x TP on a (dp 2, tp 2) mesh."""
+    depends on the bucket layout), FSDP2 x TP on a (dp 2, tp 2) mesh, the sharded
+    start-ups, the 2-rank checkpoints resumed here and the uninterrupted runs
+    they are compared with (whose checkpoints 2 ranks resume in ``back``)."""
     tmp = str(tmp_path_factory.mktemp("train4"))
     ddp_ckpt, tp_ckpt = os.path.join(tmp, "ddp"), os.path.join(tmp, "tp")
     tp = ["--strategy", "fsdp", "--tp", "2"]
+    ckpt = {name: os.path.join(tmp, f"{name}_sgd") for name in ELSEWHERE}
     plan = [
+        Everywhere("start_fsdp", sharded_start, ["--strategy", "fsdp"]),
+        Everywhere("start_tp", sharded_start, tp),
+        *[(f"{name}_sgd", [*flags, "--micro-batch", "1", "--ckpt-dir", ckpt[name]],
+           False) for name, flags in ELSEWHERE.items()],
+        *elsewhere_plan(two["ckpt"], tmp, 4),
         ("ddp", [], False),
         ("ddp_crash", ["--ckpt-dir", ddp_ckpt, "--stop-after", "5"], False),
         ("ddp_resume", ["--ckpt-dir", ddp_ckpt], False),
@@ -295,8 +425,18 @@ def four(tmp_path_factory):
         ("tp_crash", [*tp, "--ckpt-dir", tp_ckpt, "--stop-after", "5"], False),
         ("tp_resume", [*tp, "--ckpt-dir", tp_ckpt], False),
     ]
-    return launch.spawn(rank_runs, 4, with_base(BASE, plan), stream=False,
-                        timeout=900)[0]
+    res = launch.spawn(rank_runs, 4, with_base(BASE, plan), stream=False,
+                       timeout=900)[0]
+    res["ckpt"], res["tp_ckpt"] = ckpt, tp_ckpt
+    return res
+
+
+@pytest.fixture(scope="module")
+def back(tmp_path_factory, four):
+    """2 ranks resume the 4-rank checkpoints (a requeue onto fewer nodes)."""
+    tmp = str(tmp_path_factory.mktemp("train4to2"))
+    return launch.spawn(rank_runs, 2, with_base(BASE, elsewhere_plan(
+        four["ckpt"], tmp, 2)), stream=False, timeout=900)[0]
 
 
 # ---- equal to one process ------------------------------------------------------------
@@ -463,17 +603,18 @@ def test_fp16_crash_and_resume_is_bit_exact(two):
 
 
 @pytest.mark.timeout(1200)
-def test_fsdp_resume_survives_damage_and_refuses_another_world_size(two):
+def test_fsdp_resume_survives_damage_and_refuses_another_tp(two, four):
     """Step 6's shard file truncated (a full disk): the resume warns, falls back to
-    step 3, says so, and ends where the uninterrupted run does. Resuming those
-    2-rank shards on 1 rank is refused, naming both sizes."""
+    step 3, says so, and ends where the uninterrupted run does. Resuming tp 2's
+    shards with tp 1 is refused in one line naming both (the qkv rows are stored
+    in tp 2's interleaved order)."""
     resumed = two["fsdp_fallback"]
     assert resumed["start_step"] == 3, resumed["text"]
     assert any("falling back" in w for w in resumed["warnings"]), resumed["warnings"]
     assert "resumed from" in resumed["text"], resumed["text"]
     assert resumed["param_sha256"] == two["fsdp"]["param_sha256"]
-    with pytest.raises(ValueError, match="saved by 2 ranks; this job has 1"):
-        main([*BASE, "--strategy", "fsdp", "--ckpt-dir", two["fsdp_ckpt"]])
+    with pytest.raises(ValueError, match="saved with --tp 2; this job has --tp 1"):
+        main([*BASE, "--strategy", "fsdp", "--ckpt-dir", four["tp_ckpt"]])
 
 
 @pytest.mark.timeout(1200)
@@ -496,6 +637,100 @@ def test_fsdp_tp_resumes_bit_exactly(four):
     assert resumed["losses"] == {k: v for k, v in straight["losses"].items()
                                  if int(k) > 3}
     assert crash["losses"]["4"] == resumed["losses"]["4"]  # redone identically
+
+
+# ---- sharded start-up ----------------------------------------------------------------
+
+def test_meta_start_reproduces_the_seeded_build():
+    """One process: built on meta, allocated by to_empty and initialised in place,
+    the GPT has build_gpt's values bit for bit (tied and untied head, every size),
+    and the caller's generator has not moved."""
+    from dtlib.models.gpt import GPT, build_gpt
+    from dtlib.models.sizes import SIZES
+
+    for name in ("tiny", "tiny-untied", "pipeline"):
+        with torch.device("meta"):
+            model = GPT(SIZES[name])
+        model.to_empty(device="cpu")
+        before = torch.get_rng_state()
+        model.init_weights(seed=3)
+        assert torch.equal(torch.get_rng_state(), before)
+        ref = build_gpt(SIZES[name], seed=3)
+        got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+        assert sorted(got) == sorted(want), name
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))
+        assert (model.head.weight is model.tok_emb.weight) == SIZES[name].tie_weights
+    other = build_gpt(SIZES["pipeline"], seed=4)  # another seed, other values
+    assert not torch.equal(other.head.weight, got["head.weight"])
+
+
+@pytest.mark.timeout(1200)
+def test_sharded_start_equals_the_whole_build_and_holds_a_shard_plus_a_unit(two, four):
+    """FSDP2 on 2 and 4 ranks, FSDP2 x TP on (dp 2, tp 2), DDP on 2: built on meta,
+    sharded, allocated, initialised module by module, every full parameter equals
+    today's whole build bit for bit. The bytes of parameter storage a rank holds
+    (its parameters' distinct storages, plus the CPU copy of the one module being
+    initialised), measured after every set-up step, never exceed its shard plus the
+    largest unit; the whole fp32 model, which the old start-up held, is more."""
+    for run in (two["start_fsdp"], four["start_fsdp"], four["start_tp"],
+                two["start_ddp"]):
+        assert run["same_names"] and run["unequal"] == [], run
+        steps = [step for step, _ in run["seen"]]
+        assert steps[:1] == ["meta"] and steps[-1] == "initialised", steps
+        assert steps.count("module") > 2, steps  # one record per module written
+        peak = max(held for _, held in run["seen"])
+        assert peak <= run["shard"] + run["unit"], run
+    for run in (two["start_fsdp"], four["start_fsdp"], four["start_tp"]):
+        assert dict(run["seen"])["applied"] == 0  # sharded before any allocation
+        assert max(held for _, held in run["seen"]) < run["whole"], run
+
+
+def test_check_memory_models_the_start_up_peak():
+    """The issue's example: 24e9 params, FSDP2 on 8 x 80 GB. The model states are
+    16 B/param / 8 = 48 GB per GPU; a whole fp32 build first needs 4 x 24e9 = 96 GB
+    on every GPU (refused now, for that reason); the meta start-up peaks at the
+    shard plus one unit, 4 x (3e9 + 1.3e9) = 17.2 GB: approved."""
+    n, unit = 24_000_000_000, 1_300_000_000  # unit: a 131k-token embedding + head
+    with pytest.raises(DoesNotFit, match="96.0 GB per device while setting up "
+                                         r"\(the whole fp32 model"):
+        check_memory(n, "fsdp", 8, 80)
+    states = check_memory(n, "fsdp", 8, 80, unit_params=unit)
+    assert states.total == 48e9
+    assert train_job.startup_bytes(n, "fsdp", 8, unit) == 4 * (3e9 + unit)
+    with pytest.raises(DoesNotFit, match="shard plus one unit of 2.1e\\+10"):
+        check_memory(n, "fsdp", 8, 80, unit_params=21_000_000_000)  # one huge unit
+    assert train_job.startup_bytes(n, "ddp", 8, unit) == 4 * (n + unit)
+
+
+# ---- resume on another world size ----------------------------------------------------
+
+@pytest.mark.timeout(1200)
+def test_resume_on_another_world_size_reshards_and_continues(two, four, back):
+    """2-rank checkpoints (step 6) resumed on 4 ranks, 4-rank ones on 2, for DDP and
+    FSDP2, with the same global batch (4: micro-batch 2 x 2 ranks, 1 x 4). The
+    state loaded equals the state saved, tensor by tensor, bit for bit (DCP
+    reshards FSDP2's shards; DDP's replica is rank 0's file); the data position is
+    the global samples consumed; the generators are reseeded from (seed, step,
+    rank). Steps 7 and 8 then equal the uninterrupted run at the new world size
+    within rtol(step): the two differ only in the order of float32 sums in every
+    step (another world size), the derivation of loss_rtol above."""
+    for new, straight, saver in ((four, four, two), (back, two, four)):
+        for name in ELSEWHERE:
+            loaded, run = new[f"{name}_loaded"], new[f"{name}_elsewhere"]
+            assert loaded["step"] == 6 and loaded["same_keys"], loaded
+            assert loaded["n"] > 0 and loaded["unequal"] == [], loaded
+            assert run["start_step"] == 6 and run["end_step"] == STEPS, run["text"]
+            assert "generators reseeded" in run["text"], run["text"]
+            ref = straight[f"{name}_sgd"]  # uninterrupted, at the new world size
+            assert ref["world_size"] == run["world_size"] \
+                != saver[f"{name}_sgd"]["world_size"]
+            for step in (7, 8):
+                torch.testing.assert_close(run["losses"][str(step)],
+                                           ref["losses"][str(step)],
+                                           rtol=loss_rtol(step), atol=0)
+            torch.testing.assert_close(run["param_norm"], ref["param_norm"],
+                                       rtol=loss_rtol(STEPS), atol=0)
 
 
 # ---- under torchrun: the script itself -----------------------------------------------

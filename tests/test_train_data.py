@@ -173,11 +173,11 @@ def test_the_order_is_a_seeded_permutation_per_epoch_computed_once(monkeypatch):
 
 # ---- the README's example, as written ------------------------------------------------
 
-def readme_block(heading: str) -> str:
-    """The first ```bash block under ``heading`` in README.md."""
+def readme_block(heading: str, index: int = 0) -> str:
+    """The ``index``-th ```bash block under ``heading`` in README.md."""
     text = (ROOT / "README.md").read_text()
     section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return re.findall(r"```bash\n(.*?)```", section, re.S)[index]
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +215,8 @@ def test_readme_run_logs_what_a_practitioner_reads(readme_run):
     """Every logged step has every number, finite and in range; the held-out loss
     is logged at 20 and 40 and beats the uniform guess (ln 256)."""
     cwd, out = readme_run
-    records = [json.loads(line) for line in
-               (cwd / "run" / "train_log.jsonl").read_text().splitlines()]
+    records = [r for r in map(json.loads, (cwd / "run" / "train_log.jsonl")
+                              .read_text().splitlines()) if r["step"] <= 40]
     steps = [r for r in records if "loss" in r]
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
     assert [r["step"] for r in steps] == [10, 20, 30, 40]
@@ -231,6 +231,25 @@ def test_readme_run_logs_what_a_practitioner_reads(readme_run):
     # The data position is global: after 40 steps of 8 samples, 320 on every rank.
     ckpt = torch.load(checkpoint_path(cwd / "run", 40), weights_only=False)
     assert [r["sampler"]["consumed"] for r in ckpt["per_rank"]] == [320, 320]
+
+
+@pytest.mark.timeout(900)
+def test_readme_resumes_the_run_on_another_world_size(readme_run):
+    """The README's second command, as written: the 2-rank run's step-40 checkpoint
+    continued on one process with the same global batch (4 x 2 accumulated), the
+    data position carried over (320 samples, then 8 more per step)."""
+    cwd, _ = readme_run
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", "-e", "-c", readme_block(
+        "The capstone on your own text", 1)], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "saved by 2 ranks, resumed on 1" in out and "(step 40)" in out, out
+    ckpt = torch.load(checkpoint_path(cwd / "run", 44), weights_only=False)
+    assert ckpt["world_size"] == 1
+    assert [r["sampler"]["consumed"] for r in ckpt["per_rank"]] == [320 + 4 * 8]
 
 
 def test_mfu_counts_the_planners_matmuls_plus_six_flops_per_other_parameter():

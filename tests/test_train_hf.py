@@ -29,8 +29,9 @@ from dtlib.train.config import TrainConfig  # noqa: E402
 from dtlib.train.loop import main  # noqa: E402
 from dtlib.train.model import build_model, count_params  # noqa: E402
 from dtlib.zero.flat_params import default_unit_modules  # noqa: E402
-from test_train import (SGD, assert_equal_to_one_process, loss_rtol,  # noqa: E402
-                        losses, one_process, rank_runs, with_base)
+from test_train import (SGD, Everywhere, assert_equal_to_one_process,  # noqa: E402
+                        loss_rtol, losses, one_process, rank_runs, sharded_start,
+                        with_base)
 
 STEPS = 6
 HF = ["--model", "hf-llama", "--vocab-size", "128", "--hidden", "64",
@@ -76,7 +77,8 @@ def runs(tmp_path_factory):
             ("ddp_resume", ["--ckpt-dir", crashed], False),
             ("fsdp_crash", [*fsdp, "--stop-after", "4"], False),
             ("fsdp_resume", [*fsdp, *export], False),
-            ("sgd", SGD, False)]
+            ("sgd", SGD, False),
+            Everywhere("start_fsdp", sharded_start, ["--strategy", "fsdp"])]
     res = launch.spawn(rank_runs, 2, with_base(BASE, plan), stream=False,
                        timeout=900)[0]
     res["export"] = export[1]
@@ -93,6 +95,37 @@ def test_parameter_count_comes_from_the_model():
     assert type(model).__name__ == "LlamaForCausalLM"
     # FSDP2 (shard_fsdp2's default units) wraps each decoder layer, nothing else
     assert default_unit_modules(model) == list(hf.decoder_layers(model))
+
+
+def test_meta_start_reproduces_the_seeded_llama():
+    """One process: the Llama built on meta, to_empty-ed and initialised in place
+    has build_hf_llama's parameters and rotary tables bit for bit; --init-from
+    (from_pretrained) is still loaded whole."""
+    from dtlib.train.model import init_model, starts_on_meta
+
+    cfg = TrainConfig(model="hf-llama", vocab_size=128, hidden=64, n_layers=2,
+                      n_heads=4, seed=5)
+    assert starts_on_meta(cfg) and not starts_on_meta(TrainConfig(
+        model="hf-llama", init_from="a-directory"))
+    model = build_model(cfg, meta=True)
+    model.to_empty(device="cpu")
+    init_model(model, cfg)
+    ref = build_model(cfg)
+    for got, want in ((dict(model.named_parameters()), dict(ref.named_parameters())),
+                      (dict(model.named_buffers()), dict(ref.named_buffers()))):
+        assert sorted(got) == sorted(want)
+        assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+@pytest.mark.timeout(1200)
+def test_sharded_llama_start_equals_the_whole_build(runs):
+    """FSDP2 on 2 ranks: every full parameter equals the whole build's, and a rank
+    holds at most its shard plus one decoder layer (or the root's embedding and
+    head) of parameter storage during set-up (tests/test_train.py's measure)."""
+    run = runs["start_fsdp"]
+    assert run["same_names"] and run["unequal"] == [], run
+    assert max(held for _, held in run["seen"]) <= run["shard"] + run["unit"], run
+    assert dict(run["seen"])["applied"] == 0
 
 
 @pytest.mark.timeout(1200)  # the fixture's launch runs inside the first test

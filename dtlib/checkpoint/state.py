@@ -272,9 +272,15 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
 
 def _apply(state: dict[str, Any], path: str | os.PathLike, model: torch.nn.Module,
            optimizer: Any, scheduler: Any, sampler: ResumableSampler | None,
-           restore: tuple[str, ...] | set[str], scaler: Any) -> dict[str, int]:
+           restore: tuple[str, ...] | set[str], scaler: Any,
+           any_world_size: bool = False) -> dict[str, int]:
     rank = world().rank
-    if state["world_size"] != (dist.get_world_size() if dist.is_initialized() else 1):
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    elsewhere = state["world_size"] != ws
+    if elsewhere and any_world_size:  # a global sampler state; generators reseeded
+        restore = set(restore) - {k for k in STATE_KEYS if k.startswith("rng_")}
+        rank = 0
+    elif elsewhere:
         raise ValueError(f"{path} was saved by {state['world_size']} ranks; this job "
                          f"has {dist.get_world_size() if dist.is_initialized() else 1} "
                          "(per-rank RNG and sampler states would not match)")
@@ -290,22 +296,27 @@ def _apply(state: dict[str, Any], path: str | os.PathLike, model: torch.nn.Modul
     if "sampler" in restore and sampler is not None:
         sampler.load_state_dict(mine["sampler"])
     set_rng_state(mine, restore)
-    return {"step": state["step"], "epoch": state["epoch"]}
+    return {"step": state["step"], "epoch": state["epoch"],
+            "world_size": state["world_size"]}
 
 
 def load_latest_good(ckpt_dir: str | os.PathLike, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer | None = None,
                      scheduler: Any = None, sampler: ResumableSampler | None = None,
-                     scaler: Any = None) -> dict[str, Any] | None:
+                     scaler: Any = None, any_world_size: bool = False
+                     ) -> dict[str, Any] | None:
     """Restore the newest checkpoint of ``ckpt_dir`` that reads back whole.
 
     A truncated or corrupt newest file (a full disk, a crash during a copy) is
     skipped with a warning naming it, and the one before is tried: losing a few
     steps beats losing the run. A file that reads but does not fit (another world
-    size) is an error, not a reason to go back.
+    size) is an error, not a reason to go back, unless ``any_world_size``: the
+    sampler state is then global (the same on every rank: rank 0's is loaded) and
+    the generators are not restored (the caller reseeds them).
 
     Returns:
-        ``{"step", "epoch", "path"}``, or None when no checkpoint reads back.
+        ``{"step", "epoch", "world_size" (the saver's), "path"}``, or None when no
+        checkpoint reads back.
 
     Taught in: Chapter 9, "When the newest checkpoint is damaged".
     """
@@ -318,6 +329,6 @@ def load_latest_good(ckpt_dir: str | os.PathLike, model: torch.nn.Module,
                           stacklevel=2)
             continue
         out = _apply(state, path, model, optimizer, scheduler, sampler, STATE_KEYS,
-                     scaler)
+                     scaler, any_world_size)
         return {**out, "path": path}
     return None

@@ -11,8 +11,10 @@ Taught in: Chapter 1 (memory), used by every later chapter.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -147,6 +149,34 @@ class GPT(nn.Module):
             self.head.weight = self.tok_emb.weight
         self.apply(_init_weights)
 
+    def init_weights(self, seed: int = 0, probe: Any = None) -> None:
+        """The values :func:`build_gpt` (``seed``) gives, bit for bit, written into
+        this model's parameters wherever they are: built on ``meta``, sharded
+        (FSDP2, DTensor TP), then ``to_empty``-ed onto a device.
+
+        The whole build draws each module's default initialisation as it constructs
+        it, then GPT-2's re-initialisation module by module; this replays both
+        phases one module at a time on the CPU (:func:`dtlib.models.init.replay_init`)
+        and keeps each rank's piece, so a rank never holds more than its shards and
+        one module's full values. The caller's random state is left untouched.
+        ``probe(twin)``, if given, sees each module's full CPU values while they
+        exist (to measure a rank's memory during set-up).
+
+        Taught in: Chapter 10, "Refuse what cannot fit".
+        """
+        from dtlib.models.init import replay_init
+
+        if self.cfg.tie_weights and self.head.weight is not self.tok_emb.weight:
+            self.head.weight = self.tok_emb.weight  # to_empty allocates each anew
+        recipe = meta_gpt(self.cfg)  # its module order = the generator's order
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            replay_init(self, recipe, (_constructed, _reinitialised), probe)
+        with torch.no_grad():
+            for name, buf in self.named_buffers():
+                if name.endswith("mask"):  # the causal masks: recomputed, not drawn
+                    buf.copy_(torch.tril(torch.ones_like(buf)))
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 pos: torch.Tensor | None = None):
         b, s = idx.shape
@@ -196,6 +226,33 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
+
+
+def _constructed(module: nn.Module) -> bool:
+    # what the module's constructor drew (nn.Linear, nn.Embedding, nn.LayerNorm)
+    module.reset_parameters()
+    return True
+
+
+def _reinitialised(module: nn.Module) -> bool:
+    # what GPT.__init__'s self.apply(_init_weights) then drew (children first: the
+    # modules that own parameters come in the same order)
+    _init_weights(module)
+    return isinstance(module, (nn.Linear, nn.Embedding))
+
+
+@functools.lru_cache(maxsize=8)
+def meta_gpt(cfg: GPTConfig) -> GPT:
+    """The GPT of ``cfg`` on the meta device (shapes, no memory), built once per
+    configuration: on ``meta`` every initialiser runs through Python
+    decompositions, a hundred times slower than the real build of a small model.
+    Shared: ``copy.deepcopy`` it before changing it (a copy of meta tensors costs
+    nothing).
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return GPT(cfg)
 
 
 def build_gpt(cfg: GPTConfig | None = None, seed: int = 0) -> GPT:

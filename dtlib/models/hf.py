@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from transformers.utils import logging as hf_logging
 
 __all__ = ["llama_config", "load_config", "build_hf_llama", "load_pretrained",
-           "decoder_layers", "n_params"]
+           "init_weights", "decoder_layers", "n_params"]
 
 
 def llama_config(*, vocab_size: int = 128, hidden: int = 64, n_layers: int = 2,
@@ -114,6 +114,68 @@ def build_hf_llama(config: Any, seed: int = 0) -> nn.Module:
         model = (LlamaForCausalLM(config) if isinstance(config, LlamaConfig)
                  else AutoModelForCausalLM.from_config(config))
     return model.float().train()
+
+
+def init_weights(model: nn.Module, seed: int = 0,
+                 probe: Any = None) -> None:
+    """:func:`build_hf_llama`'s values (``seed``), bit for bit, written into
+    ``model``: the same model built on ``meta``, maybe sharded, then
+    ``to_empty``-ed onto a device. Untied embeddings only (a tied head would need
+    re-tying after ``to_empty``).
+
+    The whole build draws in this order: each sub-model (``PreTrainedModel``
+    child, Llama's decoder) draws its modules' constructor initialisation and then
+    its own ``post_init`` re-initialisation; every other child (the head) draws its
+    constructor's, and the top model's ``post_init`` re-initialises those. Each
+    module is replayed on a CPU twin (:func:`dtlib.models.init.replay_init`); the
+    rotary tables, computed and not drawn, are rebuilt from the configuration.
+
+    Args:
+        model: the model (its parameter names are the meta build's).
+        seed: as :func:`build_hf_llama`.
+        probe: see :func:`dtlib.models.init.replay_init`.
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    from transformers import PreTrainedModel
+
+    from dtlib.models.init import replay_init, write_full
+
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("tie_word_embeddings=True is not allowed here; allowed: an "
+                         "untied head (build the model whole instead)")
+
+    def constructed(twin: nn.Module) -> bool:
+        if not hasattr(twin, "reset_parameters"):  # RMSNorm: ones, nothing drawn
+            return False
+        twin.reset_parameters()
+        return True
+
+    def post_init(owner: nn.Module) -> Any:
+        def phase(twin: nn.Module) -> bool:
+            owner._init_weights(twin)  # every module Llama owns: Linear, Embedding,
+            return True                # RMSNorm
+        return phase
+
+    with torch.random.fork_rng(devices=[]):
+        with torch.device("meta"):
+            recipe = build_hf_llama(model.config)
+        torch.manual_seed(seed)
+        later = []
+        for name, child in recipe.named_children():
+            target = model.get_submodule(name)
+            if isinstance(child, PreTrainedModel):  # its own post_init, at once
+                replay_init(target, child, (constructed, post_init(target)), probe)
+            else:
+                replay_init(target, child, (constructed,), probe)
+                later.append((target, child))
+        for target, child in later:  # the top model's post_init
+            replay_init(target, child, (post_init(model),), probe)
+    for module in model.modules():  # the rotary tables: computed, not drawn
+        if "RotaryEmbedding" in type(module).__name__:
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                write_full(getattr(module, name), buf)
 
 
 def load_pretrained(path: str) -> nn.Module:

@@ -29,6 +29,7 @@ Taught in: Chapter 5, "A tensor-parallel GPT".
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -127,6 +128,8 @@ def _interleaved_qkv_linear(qkv: nn.Linear, tp: int) -> nn.Linear:
         new.weight.copy_(interleave_qkv(qkv.weight, tp))
         if qkv.bias is not None:
             new.bias.copy_(interleave_qkv(qkv.bias, tp))
+    # a meta-device start-up initialises afterwards: full values in the same order
+    new.init_layout = functools.partial(interleave_qkv, tp=tp)
     return new
 
 

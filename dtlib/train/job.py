@@ -28,10 +28,12 @@ from dtlib.runtime import dist as ddist
 from dtlib.train.config import STRATEGY_NAMES, TrainConfig
 from dtlib.train.data import (GlobalSampler, MicroBatch, SyntheticTokens, open_split,
                               step_batches)
-from dtlib.train.model import build_model, count_params, logits_of
+from dtlib.train.model import (build_model, count_params, init_model, logits_of,
+                               starts_on_meta, unit_params)
 from dtlib.train.strategies import STRATEGIES, Strategy
 
-__all__ = ["DoesNotFit", "check_memory", "prepare_model", "lr_lambda", "token_loss",
+__all__ = ["DoesNotFit", "check_memory", "startup_bytes", "prepare_model",
+           "start_model", "lr_lambda", "token_loss",
            "OPTIMIZERS", "Job", "build_job", "build_data"]
 
 #: ``--optimizer`` -> (class, arguments besides lr and weight_decay).
@@ -45,24 +47,56 @@ class DoesNotFit(RuntimeError):
     """The model states alone exceed the device's memory (ERRATA 34)."""
 
 
+def startup_bytes(n_params: int, strategy: str, world_size: int,
+                  unit_params: int | None) -> float:
+    """Peak bytes of fp32 parameter storage per device while the model is set up.
+
+    A meta-device start-up (``unit_params`` given) allocates only what the rank
+    keeps, then writes each module's full values through one CPU copy of that
+    module: FSDP2 peaks at its shard plus one unit, ``4 (N / dp + unit)``; DDP at
+    the replica plus one unit, ``4 (N + unit)``. A model built whole first (None)
+    holds all ``4 N`` bytes on every rank before anything is sharded (ERRATA 34's
+    second half: the state formula alone misses it).
+
+    Args:
+        n_params, strategy, world_size: as :func:`check_memory`.
+        unit_params: parameters of the largest unit (:func:`dtlib.train.model.
+            unit_params`), or None when the model is built whole.
+    Returns:
+        The bytes.
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    if unit_params is None:
+        return 4.0 * n_params
+    kept = n_params / world_size if STRATEGIES[strategy].shards_on_meta else n_params
+    return 4.0 * (kept + unit_params)
+
+
 def check_memory(n_params: int, strategy: str, world_size: int,
-                 device_gb: float | None) -> ModelStates:
-    """Model-state bytes per device for ``strategy``; raise if they cannot fit.
+                 device_gb: float | None, unit_params: int | None = None
+                 ) -> ModelStates:
+    """Model-state bytes per device for ``strategy``; raise if they cannot fit, in
+    training or while the model is set up.
 
     DDP keeps everything on every rank (ZeRO stage 0); FSDP2 shards parameters,
     gradients and AdamW state over the ``world_size`` ranks (stage 3). The script keeps
     fp32 parameters and optimizer state in every precision (autocast and FSDP's
     MixedPrecisionPolicy compute in bf16 but store fp32): 4 + 4 + 8 = 16 B/param.
+    Set-up peaks at :func:`startup_bytes`: the shard plus one unit when the model
+    starts on the meta device, the whole fp32 model when it is built whole.
 
     Args:
         n_params: parameters of the model.
         strategy: "ddp" or "fsdp" (a key of the strategy table).
         world_size: data-parallel ranks.
         device_gb: the device's memory in GB (1e9 B); None (CPU) only estimates.
+        unit_params: parameters of the largest unit of a meta-device start-up;
+            None: the model is built whole on every rank first.
     Returns:
         The :class:`dtlib.memory.ModelStates` per device.
     Raises:
-        DoesNotFit: the states exceed ``device_gb`` before a single activation.
+        DoesNotFit: the states, or the set-up's peak, exceed ``device_gb``.
 
     Taught in: Chapter 10, "Refuse what cannot fit" (formula: Chapter 1).
     """
@@ -78,6 +112,13 @@ def check_memory(n_params: int, strategy: str, world_size: int,
             f"model states per device (ZeRO stage {stage}, 16 B/param x "
             f"{n_params:.3g} params) but the device has {device_gb:.0f} GB; use "
             f"--strategy fsdp, more ranks or a smaller model")
+    start = startup_bytes(n_params, strategy, world_size, unit_params)
+    if device_gb is not None and start > device_gb * GB:
+        how = ("the whole fp32 model, built before sharding" if unit_params is None
+               else f"the shard plus one unit of {unit_params:.3g} params")
+        raise DoesNotFit(
+            f"{strategy} on {world_size} ranks needs {start / GB:.1f} GB per device "
+            f"while setting up ({how}) but the device has {device_gb:.0f} GB")
     return states
 
 
@@ -106,6 +147,57 @@ def prepare_model(model: nn.Module, par: Parallelism, device: torch.device,
     if sync_bn if sync_bn is not None else device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return par.apply(model.to(device))
+
+
+def start_model(cfg: TrainConfig, strategy: Strategy, par: Parallelism,
+                device: torch.device,
+                probe: Callable[[str, nn.Module, nn.Module | None], None] | None = None
+                ) -> nn.Module:
+    """The wrapped model with ``build_model(cfg)``'s values, never whole on a rank
+    that shards it.
+
+    The book's GPT and a random-init Llama start on the meta device (shapes, no
+    memory; :func:`dtlib.train.model.starts_on_meta`). A sharding
+    strategy (``shards_on_meta``: FSDP2, FSDP x TP) applies there, then
+    ``to_empty`` allocates this rank's shards on ``device`` and
+    :func:`dtlib.train.model.init_model` writes the seeded values module by module;
+    DDP allocates and initialises the replica first, then wraps. ``--init-from``
+    (``from_pretrained``) builds the model whole, as before.
+
+    Args:
+        cfg: the configuration; strategy, par: its row and its Parallelism.
+        device: this rank's device.
+        probe: ``probe(step, model, twin)`` after each set-up step ("meta",
+            "applied", "allocated", "module": ``twin`` holds one module's full
+            values, "initialised"), to measure what the rank holds.
+    Returns:
+        The wrapped (or sharded) model.
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    def note(step: str, model: nn.Module, twin: nn.Module | None = None) -> None:
+        if probe is not None:
+            probe(step, model, twin)
+
+    if not starts_on_meta(cfg):
+        return prepare_model(build_model(cfg), par, device)  # same weights everywhere
+    model = build_model(cfg, meta=True)
+    note("meta", model)
+
+    def init(m: nn.Module) -> None:
+        m.to_empty(device=device)
+        note("allocated", m)
+        init_model(m, cfg, probe=lambda twin: note("module", m, twin))
+        note("initialised", m)
+
+    if strategy.shards_on_meta:  # shard the shapes, then allocate the shards only
+        model = prepare_model(model, par, torch.device("meta"),
+                              sync_bn=device.type == "cuda")
+        note("applied", model)
+        init(model)
+        return model
+    init(model)
+    return prepare_model(model, par, device)
 
 
 def lr_lambda(step: int, warmup: int, steps: int, min_lr_ratio: float) -> float:
@@ -196,10 +288,11 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     n_params = count_params(cfg)
     device_gb = (torch.cuda.get_device_properties(device).total_memory / GB
                  if device.type == "cuda" else None)
-    states = check_memory(n_params, cfg.strategy, world.world_size, device_gb)
+    states = check_memory(n_params, cfg.strategy, world.world_size, device_gb,
+                          unit_params(cfg) if starts_on_meta(cfg) else None)
     strategy = STRATEGIES[cfg.strategy]
     par = strategy.parallelism(cfg, world)
-    model = prepare_model(build_model(cfg), par, device)  # same weights everywhere
+    model = start_model(cfg, strategy, par, device)  # same values on every rank
     optimizer_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = par.make_optimizer(model, optimizer_class, lr=cfg.lr,  # after wrapping
                              weight_decay=cfg.weight_decay, **kwargs)

@@ -18,16 +18,18 @@ Taught in: Chapter 10, "A Hugging Face model".
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from dtlib.memory.recompute import apply_recompute
-from dtlib.models.gpt import GPT, GPTConfig, build_gpt
+from dtlib.models.gpt import GPTConfig, build_gpt, meta_gpt
 from dtlib.train.config import TrainConfig
 
-__all__ = ["build_model", "count_params", "logits_of", "HF_ATTENTION"]
+__all__ = ["build_model", "count_params", "logits_of", "HF_ATTENTION",
+           "starts_on_meta", "init_model", "unit_params"]
 
 #: ``--attention`` -> transformers' ``attn_implementation``.
 HF_ATTENTION = {"explicit": "eager", "sdpa": "sdpa"}
@@ -62,20 +64,17 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
     Taught in: Chapter 10, "A Hugging Face model".
     """
     if cfg.model == "gpt":
-        gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                         n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
-                         attention=cfg.attention)
-        if meta:
-            with torch.device("meta"):
-                return GPT(gcfg)
+        gcfg = _gpt_config(cfg)
+        if meta:  # shapes only: init_model writes the seeded values later
+            return apply_recompute(copy.deepcopy(meta_gpt(gcfg)), cfg.recompute)
         return apply_recompute(build_gpt(gcfg, seed=cfg.seed), cfg.recompute)
     from dtlib.models import hf
 
     config = _hf_config(cfg)
     if meta:
         with torch.device("meta"):
-            return hf.build_hf_llama(config)
-    if cfg.init_from:
+            model = hf.build_hf_llama(config)
+    elif cfg.init_from:
         model = hf.load_pretrained(cfg.init_from)
         model.config._attn_implementation = HF_ATTENTION[cfg.attention]
     else:
@@ -87,12 +86,78 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
     return model
 
 
+def starts_on_meta(cfg: TrainConfig) -> bool:
+    """Whether the model ``cfg`` names starts on the meta device (the book's GPT, a
+    random-init Hugging Face Llama with an untied head: :func:`init_model`
+    initialises them in place) or is built whole on the CPU (``--init-from``'s
+    ``from_pretrained``, a tied head).
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    if cfg.model == "gpt":
+        return True
+    return not cfg.init_from and not getattr(_hf_config(cfg), "tie_word_embeddings",
+                                             False)
+
+
+def init_model(model: nn.Module, cfg: TrainConfig,
+               probe: Callable[[nn.Module], None] | None = None) -> None:
+    """Write ``build_model(cfg)``'s seeded values into ``model``, a meta-device
+    build of it that was sharded (or not) and then ``to_empty``-ed onto a device.
+
+    Args:
+        model: the model (unwrapped or sharded in place; DDP wraps afterwards).
+        cfg: the run's configuration (``seed``).
+        probe: called with each module's full CPU values while they exist (to
+            measure what a rank holds during set-up).
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    if not starts_on_meta(cfg):
+        raise ValueError(f"model={cfg.model!r} (init_from={cfg.init_from!r}) does "
+                         "not start on the meta device; allowed: 'gpt', or "
+                         "'hf-llama' with random weights and an untied head")
+    if cfg.model == "gpt":
+        model.init_weights(cfg.seed, probe=probe)
+        return
+    from dtlib.models import hf
+
+    hf.init_weights(model, cfg.seed, probe=probe)
+
+
+def unit_params(cfg: TrainConfig) -> int:
+    """Parameters of the largest FSDP unit of the model ``cfg`` names: one decoder
+    layer, or the root's own (embeddings, final norm, head), counted on meta.
+
+    Taught in: Chapter 10, "Refuse what cannot fit".
+    """
+    model = _shapes(cfg)
+    layers = [m for m in model.modules() if isinstance(m, nn.ModuleList)][0]
+    inside = {id(p) for p in layers.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    return max(root, *(sum(p.numel() for p in layer.parameters())
+                       for layer in layers))
+
+
 def count_params(cfg: TrainConfig) -> int:
     """Parameters of the model ``cfg`` names, counted on the meta device (no memory).
 
     Taught in: Chapter 10, "Refuse what cannot fit".
     """
-    return sum(p.numel() for p in build_model(cfg, meta=True).parameters())
+    return sum(p.numel() for p in _shapes(cfg).parameters())
+
+
+def _shapes(cfg: TrainConfig) -> nn.Module:
+    """The model on meta, to read and not to change (the GPT's is shared)."""
+    if cfg.model != "gpt":
+        return build_model(cfg, meta=True)
+    return meta_gpt(_gpt_config(cfg))
+
+
+def _gpt_config(cfg: TrainConfig) -> GPTConfig:
+    return GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+                     n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
+                     attention=cfg.attention)
 
 
 def logits_of(output: Any) -> torch.Tensor:

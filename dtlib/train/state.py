@@ -40,7 +40,7 @@ from dtlib.runtime.dist import rprint
 from dtlib.train.job import Job
 
 __all__ = ["save_state", "begin_sharded", "publish_sharded", "resume", "param_digest",
-           "dcp_dirs", "export_hf"]
+           "dcp_dirs", "export_hf", "rank_file", "reseed"]
 
 
 def dcp_dirs(ckpt_dir: str) -> list[str]:
@@ -65,8 +65,8 @@ def files_to_read(path: str, state: dict[str, Any]) -> set[str]:
 
 
 def _check_mine(path: str, state: dict[str, Any], cfg: Any) -> tuple[set[str], str]:
-    """(the files this rank hashed, "" or what is wrong with ``path``); another
-    world size or tp raises (every rank reads the same manifest)."""
+    """(the files this rank hashed, "" or what is wrong with ``path``); another tp
+    raises (every rank reads the same manifest)."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
@@ -79,7 +79,7 @@ def _check_mine(path: str, state: dict[str, Any], cfg: Any) -> tuple[set[str], s
     if sorted([*recorded, MANIFEST]) != present:  # listing only: no file is read
         return set(), "its files differ from the manifest's list"
     try:
-        mine = files_to_read(path, state) | {f"rank{dist.get_rank()}.pt"}
+        mine = files_to_read(path, state) | {rank_file(manifest)}
     except Exception as exc:  # a damaged .metadata
         return set(), f".metadata unreadable ({type(exc).__name__})"
     for rel in sorted(mine):
@@ -90,16 +90,46 @@ def _check_mine(path: str, state: dict[str, Any], cfg: Any) -> tuple[set[str], s
 
 
 def _check_world(path: str, manifest: dict[str, Any], cfg: Any) -> None:
-    ws = dist.get_world_size()
-    if manifest["world_size"] != ws:  # per-rank RNG files would not fit
-        raise ValueError(f"{path} was saved by {manifest['world_size']} ranks; this "
-                         f"job has {ws}. Resume with {manifest['world_size']} ranks "
-                         "(the RNG states are per rank)")
-    if manifest.get("tp", 1) != cfg.tp:  # the same ranks, cut into another mesh
-        raise ValueError(f"{path} was saved with tp={manifest.get('tp', 1)}; this "
-                         f"job has tp={cfg.tp}. Resume with --tp "
-                         f"{manifest.get('tp', 1)} (each rank's RNG file belongs "
-                         "to its mesh coordinate)")
+    saved = manifest.get("tp", 1)
+    if saved != cfg.tp:  # qkv rows are stored interleaved for the saver's tp
+        raise ValueError(f"{path} was saved with --tp {saved}; this job has --tp "
+                         f"{cfg.tp}: resume with --tp {saved} (the saved tensor-"
+                         f"parallel layout is tp {saved}'s)")
+
+
+def rank_file(manifest: dict[str, Any]) -> str:
+    """The per-rank file this rank loads: its own when the world size is the
+    saver's, else rank 0's (its scheduler and data position are every rank's; its
+    generators are not restored, :func:`reseed`).
+
+    Taught in: Chapter 10, "On GPUs and on many nodes".
+    """
+    same = manifest["world_size"] == dist.get_world_size()
+    return f"rank{dist.get_rank() if same else 0}.pt"
+
+
+def reseed(seed: int, step: int, rank: int) -> int:
+    """Seed torch's (every device's), Python's and NumPy's generators from
+    ``(seed, step, rank)``: a resume on another world size has no saved stream
+    for a new rank, so every rank starts a fresh one, the same for the same
+    triple. A run whose steps draw nothing (no dropout: the capstone's default)
+    is unaffected; with dropout the continued run is another draw of the masks.
+
+    Returns:
+        The seed used.
+
+    Taught in: Chapter 10, "On GPUs and on many nodes".
+    """
+    import random
+
+    import numpy as np
+
+    digest = hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()
+    value = int.from_bytes(digest[:4], "little")
+    torch.manual_seed(value)  # seeds every CUDA device too
+    random.seed(value)
+    np.random.seed(value)
+    return value
 
 
 def _newest_good_dcp(job: Job, state: dict[str, Any]) -> tuple[str, set[str]] | None:
@@ -195,9 +225,11 @@ def resume(job: Job) -> int:
     if cfg.ckpt_dir is None:
         return 0
     if not job.strategy.sharded_checkpoint:
-        got = load_latest_good(cfg.ckpt_dir, model, opt, sched, sampler, scaler)
+        got = load_latest_good(cfg.ckpt_dir, model, opt, sched, sampler, scaler,
+                               any_world_size=True)
         if got is None:
             return _fresh(cfg.ckpt_dir)
+        _reseed_elsewhere(job, got["world_size"], got["step"])
         rprint(f"resumed from {got['path']} (step {got['step']})")
         return got["step"]
     if not dcp_dirs(cfg.ckpt_dir):
@@ -216,15 +248,31 @@ def resume(job: Job) -> int:
              planner=SafeLoadPlanner())
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    mine = torch.load(os.path.join(path, f"rank{dist.get_rank()}.pt"),
+    with open(os.path.join(path, MANIFEST)) as f:
+        saved_world = json.load(f)["world_size"]
+    mine = torch.load(os.path.join(path, rank_file({"world_size": saved_world})),
                       map_location="cpu", weights_only=True)
     sched.load_state_dict(mine["scheduler"])
     sampler.load_state_dict(mine["sampler"])
-    set_rng_state(mine)
+    if saved_world == dist.get_world_size():
+        set_rng_state(mine)
+    else:
+        _reseed_elsewhere(job, saved_world, mine["step"])
     if scaler is not None and mine.get("scaler"):
         scaler.load_state_dict(mine["scaler"])
     rprint(f"resumed from {path} (step {mine['step']})")
     return mine["step"]
+
+
+def _reseed_elsewhere(job: Job, saved_world: int, step: int) -> None:
+    """On another world size than the saver's: say so and :func:`reseed`."""
+    ws = dist.get_world_size()
+    if saved_world == ws:
+        return
+    value = reseed(job.cfg.seed, step, dist.get_rank())
+    rprint(f"saved by {saved_world} ranks, resumed on {ws}: parameters and "
+           "optimizer state resharded, data position global, generators reseeded "
+           f"from (seed, step, rank) (rank 0: {value})")
 
 
 def _fresh(ckpt_dir: str) -> int:

@@ -84,6 +84,10 @@ class Strategy:
         wrapper's own mixed-precision policy computes in 16 bits).
     warm_up: ``warm_up(wrapped, x)`` before the first step, fresh or resumed, on
         one micro-batch of inputs ``x``, when there are several data-parallel ranks.
+    shards_on_meta: ``apply`` runs on the meta-device model, before any memory is
+        allocated (FSDP2, TP: a rank then allocates its shards only); else the model
+        is allocated and initialised first (DDP broadcasts rank 0's values when it
+        wraps, and every rank holds them all anyway).
     """
 
     parallelism: Callable[[TrainConfig, ddist.World], Parallelism]
@@ -91,6 +95,7 @@ class Strategy:
     sharded_checkpoint: bool
     autocast: bool
     warm_up: Callable[[nn.Module, torch.Tensor], None] | None = None
+    shards_on_meta: bool = False
 
 
 #: The strategies of ``--strategy`` (``config.STRATEGY_NAMES``, which the flag
@@ -98,5 +103,6 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy(_ddp, zero_stage=0, sharded_checkpoint=False, autocast=True,
                     warm_up=settle_ddp_buckets),
-    "fsdp": Strategy(_fsdp, zero_stage=3, sharded_checkpoint=True, autocast=False),
+    "fsdp": Strategy(_fsdp, zero_stage=3, sharded_checkpoint=True, autocast=False,
+                     shards_on_meta=True),
 }
