@@ -2,7 +2,8 @@
 
 On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
 
-- chapters 0, 2, 3, 4, 6, 14 and the capstone (on a token file, ``--attention sdpa``),
+- chapters 0, 2, 3, 4, 6, 14 and the capstone (on a token file, ``--attention sdpa``,
+  FSDP2 started on the meta device, a rank killed and the run restarted by torchrun),
   each compared with one process (or, for chapter 2's primitives, with the same
   ranks on gloo), as the CPU tests do;
 - ``ch7``: the book's ZeRO-3 under the bf16 ``MixedPrecisionPolicy`` against FSDP2's
@@ -29,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -247,18 +250,28 @@ def check_capstone(n: int, timeout: float) -> tuple[bool, str]:
                  "--tokenizer", "bytes", "--out", os.path.join(tmp, "tokens")])
         base = ["--steps", "6", "--micro-batch", "2", "--log-every", "6",
                 "--data", os.path.join(tmp, "tokens"), "--vocab-size", "256",
-                "--attention", "sdpa"]
+                "--attention", "sdpa", "--strategy", "fsdp"]
         out = os.path.join(tmp, "summary.json")
-        launch.torchrun("dtlib.train", *base, "--summary-json", out, module=True,
-                        nproc=n, timeout=timeout, stream=False)
+        # FSDP2 starts on the meta device; the last rank is SIGKILLed in step 4 and
+        # torchrun (--max-restarts=1) starts the group again, which resumes from the
+        # step-3 checkpoint by itself.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={n}", "--max-restarts=1", "--monitor_interval=0.1",
+               "-m", "dtlib.train", *base, "--save-every", "3", "--ckpt-dir",
+               os.path.join(tmp, "ckpt"), "--kill-at-step", "4", "--summary-json", out]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            return False, f"torchrun exited {done.returncode}: {done.stderr[-300:]}"
         with open(out) as f:
-            many = float(json.load(f)["final_loss"])
+            summary = json.load(f)
+        many = float(summary["final_loss"])
         # The same global batch on one GPU, in this process (a world of one): the
         # script's own entry point, without a second torchrun start-up.
         one = loop.main([*base, "--accum-steps", str(n)])
-    ok = abs(many - one) <= 1e-4 * max(1.0, abs(one))
-    return ok, (f"final loss {n} ranks {many:.6f} vs 1 rank x {n} micro-batches "
-                f"{one:.6f}")
+    ok = abs(many - one) <= 1e-4 * max(1.0, abs(one)) and summary["start_step"] == 3
+    return ok, (f"FSDP2 from meta, killed in step 4, restarted by torchrun, resumed at "
+                f"step {summary['start_step']}: final loss {n} ranks {many:.6f} vs "
+                f"1 rank x {n} micro-batches {one:.6f}")
 
 
 def check_collectives(n: int, timeout: float) -> tuple[bool, str]:
