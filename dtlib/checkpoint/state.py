@@ -282,8 +282,7 @@ def _apply(state: dict[str, Any], path: str | os.PathLike, model: torch.nn.Modul
         rank = 0
     elif elsewhere:
         raise ValueError(f"{path} was saved by {state['world_size']} ranks; this job "
-                         f"has {dist.get_world_size() if dist.is_initialized() else 1} "
-                         "(per-rank RNG and sampler states would not match)")
+                         f"has {ws} (per-rank RNG and sampler states would not match)")
     if "model" in restore:
         unwrap(model).load_state_dict(state["model"])
     if "optimizer" in restore and optimizer is not None:
