@@ -684,6 +684,14 @@ def test_sharded_start_equals_the_whole_build_and_holds_a_shard_plus_a_unit(two,
     for run in (two["start_fsdp"], four["start_fsdp"], four["start_tp"]):
         assert dict(run["seen"])["applied"] == 0  # sharded before any allocation
         assert max(held for _, held in run["seen"]) < run["whole"], run
+    # The script reports the same measurement: its summary's set-up peak is the one
+    # measured step by step above (same flags), and the whole build's is 4 N bytes.
+    for job, probed in ((two["fsdp"], two["start_fsdp"]), (four["tp"], four["start_tp"]),
+                        (two["ddp"], two["start_ddp"])):
+        assert job["startup_bytes"] == {"peak": max(h for _, h in probed["seen"]),
+                                        "kept": probed["shard"],
+                                        "whole": probed["whole"]}, job["startup_bytes"]
+        assert "set-up peak" in job["text"]
 
 
 def test_check_memory_models_the_start_up_peak():

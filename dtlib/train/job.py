@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from dtlib.accumulation import accumulation_step
 from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
+from dtlib.models.init import storage_bytes
 from dtlib.models.run import Parallelism
 from dtlib.runtime import dist as ddist
 from dtlib.train.config import STRATEGY_NAMES, TrainConfig
@@ -169,7 +170,8 @@ def start_model(cfg: TrainConfig, strategy: Strategy, par: Parallelism,
         device: this rank's device.
         probe: ``probe(step, model, twin)`` after each set-up step ("meta",
             "applied", "allocated", "module": ``twin`` holds one module's full
-            values, "initialised"), to measure what the rank holds.
+            values, "initialised"; a whole build: "built"), to measure what the
+            rank holds.
     Returns:
         The wrapped (or sharded) model.
 
@@ -180,7 +182,9 @@ def start_model(cfg: TrainConfig, strategy: Strategy, par: Parallelism,
             probe(step, model, twin)
 
     if not starts_on_meta(cfg):
-        return prepare_model(build_model(cfg), par, device)  # same weights everywhere
+        model = build_model(cfg)  # same weights everywhere
+        note("built", model)
+        return prepare_model(model, par, device)
     model = build_model(cfg, meta=True)
     note("meta", model)
 
@@ -238,6 +242,9 @@ class Job:
     batch_fn, step_fn: ``run_steps``'s per-step local batch (``accum_steps``
         micro-batches) and the accumulating step (Chapter 8).
     n_params, states: the parameter count and the model-state bytes per device.
+    startup_bytes: the bytes of parameter storage this rank held while the model
+        was set up: ``peak`` (the largest, after any set-up step), ``kept`` (its
+        parameters when training starts) and ``whole`` (the fp32 model, ``4 N``).
     verified: the files of the resumed sharded checkpoint this rank hashed (the
         ones it reads).
     """
@@ -257,6 +264,7 @@ class Job:
     step_fn: Callable[..., torch.Tensor]
     n_params: int
     states: ModelStates
+    startup_bytes: dict[str, int]
     verified: set[str] = field(default_factory=set)
 
     @property
@@ -292,7 +300,15 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
                           unit_params(cfg) if starts_on_meta(cfg) else None)
     strategy = STRATEGIES[cfg.strategy]
     par = strategy.parallelism(cfg, world)
-    model = start_model(cfg, strategy, par, device)  # same values on every rank
+    held: list[int] = []  # bytes of parameter storage after each set-up step
+
+    def probe(step: str, m: nn.Module, twin: nn.Module | None) -> None:
+        held.append(storage_bytes(m.parameters())
+                    + (storage_bytes(twin.parameters()) if twin is not None else 0))
+
+    model = start_model(cfg, strategy, par, device, probe)  # same values everywhere
+    startup = {"peak": max(held), "kept": storage_bytes(model.parameters()),
+               "whole": 4 * n_params}
     optimizer_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = par.make_optimizer(model, optimizer_class, lr=cfg.lr,  # after wrapping
                              weight_decay=cfg.weight_decay, **kwargs)
@@ -312,7 +328,7 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     batch_fn = step_batches(data, sampler, cfg.micro_batch, cfg.accum_steps,
                             dp_rank, par.dp_size, device)
     return Job(cfg, world, strategy, par, model, opt, sched, scaler, data, sampler,
-               held_out, batch_fn, step_fn, n_params, states)
+               held_out, batch_fn, step_fn, n_params, states, startup)
 
 
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:

@@ -67,7 +67,9 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
         ``param_sha256``, ``param_norm``, ``world_size``, ``loss_scale``,
         ``eval_losses`` (str(step) -> held-out loss), ``preempted`` (the signal's
         name or None), ``verified_files`` (of a resumed sharded checkpoint, this
-        rank's), ``config``; rank 0 also writes it to ``cfg.summary_json``.
+        rank's), ``startup_bytes`` (this rank's parameter storage during set-up:
+        ``Job.startup_bytes``), ``n_params``, ``config``; rank 0 also writes it to
+        ``cfg.summary_json``.
 
     Taught in: Chapter 10, "One training script".
     """
@@ -187,7 +189,9 @@ def _announce(job: Job, start: int) -> None:
     cfg, world, dp = job.cfg, job.world, job.par.dp_size
     ddist.rprint(f"{cfg.model}, {cfg.strategy} on {world.world_size} x {world.device} "
                  f"({world.backend}), {job.n_params:,} params, model states "
-                 f"{job.states.total / GB:.4f} GB/device, global batch "
+                 f"{job.states.total / GB:.4f} GB/device (set-up peak "
+                 f"{job.startup_bytes['peak'] / GB:.4f} GB of parameters), "
+                 f"global batch "
                  f"{cfg.micro_batch * cfg.accum_steps * dp} sequences"
                  + (f", mesh dp {dp} x tp {cfg.tp}" if cfg.tp > 1 else "")
                  + (f", resumed at step {start}" if start else ""))
@@ -206,6 +210,7 @@ def _summarise(job: Job, start: int, result: RunResult) -> dict[str, Any]:
                "eval_losses": result.extra["eval_losses"],
                "preempted": result.extra["preempted"],
                "verified_files": sorted(job.verified),
+               "startup_bytes": job.startup_bytes, "n_params": job.n_params,
                "config": asdict(cfg)}
     ddist.rprint(f"done: steps {start}->{step}, final loss {loss:.4f}, "
                  f"params {digest} (norm {norm:.6f})")
