@@ -8,7 +8,8 @@ dimensions at once, and choosing them); ``chapters`` holds what each page runs;
 ``exercises`` checks the learner; ``bench`` measures.
 
 Nothing is imported here, so ``import dtlib`` stays cheap for every rank a launch
-starts. In a notebook, ``%load_ext dtlib`` registers the ``%%torchrun`` cell magic.
+starts. In a notebook, ``%load_ext dtlib`` registers the ``%%torchrun`` and ``%%ranks``
+cell magics.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ if _os.environ.get(STRICT_WARNINGS_ENV) == "1":
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register the ``%%torchrun`` cell magic (``%load_ext dtlib``)."""
+    """Register the ``%%torchrun`` and ``%%ranks`` cell magics (``%load_ext dtlib``)."""
     from dtlib.runtime.magic import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)

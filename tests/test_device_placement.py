@@ -118,11 +118,11 @@ def test_book_rank_code_keeps_every_tensor_on_the_device(world_size):
 
 
 def torchrun_cells(notebook: str) -> list[str]:
-    """The ``%%torchrun`` cells of ``notebook`` that are meant to succeed."""
+    """The ``%%torchrun`` and ``%%ranks`` cells of ``notebook`` meant to succeed."""
     with open(os.path.join(ROOT, "notebooks", notebook)) as f:
         cells = json.load(f)["cells"]
     return ["".join(c["source"]).split("\n", 1)[1] for c in cells
-            if "".join(c["source"]).startswith("%%torchrun")
+            if "".join(c["source"]).startswith(("%%torchrun", "%%ranks"))
             and "raises-exception" not in c.get("metadata", {}).get("tags", [])]
 
 

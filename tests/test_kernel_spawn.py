@@ -24,7 +24,9 @@ CELLS = [
 ]
 
 
-SKIP_CELL = """%%torchrun -n 2 --timeout 30
+# Under %%ranks: torchrun's own report of this mismatch is tested in
+# test_launch_mismatch.py (each torchrun rank is a fresh interpreter: seconds of CPU).
+SKIP_CELL = """%%ranks -n 2 --timeout 30
 import torch
 import torch.distributed as dist
 from dtlib.runtime import dist as ddist
@@ -45,11 +47,24 @@ MAGIC_CELLS = ["lr = 0.25",
                "print(torchrun_result.values)"]
 
 
+# %%ranks: the same cell program, on ranks forked from the kernel's fork server.
+RANKS_CELLS = [MAGIC_CELLS[1].replace("%%torchrun", "%%ranks"),
+               "print(ranks_result.values)",
+               "%%ranks -n 3 --timeout 30 --quiet\n"
+               "import torch\n"
+               "import torch.distributed as dist\n"
+               "from dtlib.runtime import dist as ddist\n"
+               "world = ddist.init()\n"
+               "if world.rank == 2:\n"
+               "    raise ValueError('rank 2 found a NaN')\n"
+               "dist.all_reduce(torch.ones(1))"]
+
+
 @pytest.fixture(scope="module")
 def kernel_cells() -> list:
     """One real kernel runs every cell below in turn (one kernel start-up, not three);
-    the skipped collective's cell is expected to raise."""
-    cells = CELLS + ["%load_ext dtlib", SKIP_CELL] + MAGIC_CELLS
+    the skipped collective's cell and the last %%ranks cell are expected to raise."""
+    cells = CELLS + ["%load_ext dtlib", SKIP_CELL] + MAGIC_CELLS + RANKS_CELLS
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
     return nb.cells
@@ -59,18 +74,22 @@ def texts(cells: list) -> list[str]:
     return ["".join(o.get("text", "") for o in cell.outputs) for cell in cells]
 
 
+def error_of(cell) -> tuple[str, str]:
+    """The name of the error a cell raised, and what the notebook shows of it."""
+    error = next(o for o in cell.outputs if o.output_type == "error")
+    return error.ename, "\n".join(error.traceback)
+
+
 def test_notebook_function_runs_on_four_ranks(kernel_cells, no_leftovers: None) -> None:
     outputs = texts(kernel_cells[:len(CELLS)])
     assert outputs[2].strip() == "[6, 16, 26, 36]"
     assert outputs[3].strip() == "[0, -10, -20, -30]"
 
 
-def test_torchrun_cell_that_skips_a_collective_names_waiter_and_finisher(
+def test_ranks_cell_that_skips_a_collective_names_waiter_and_finisher(
         kernel_cells, no_leftovers: None) -> None:
-    cell = kernel_cells[len(CELLS) + 1]
-    error = next(o for o in cell.outputs if o.output_type == "error")
-    shown = "\n".join(error.traceback)
-    assert error.ename == "CollectiveMismatch"
+    ename, shown = error_of(kernel_cells[len(CELLS) + 1])
+    assert ename == "CollectiveMismatch"
     assert "rank 0: in all_reduce at cell line 8: dist.all_reduce(t)" in shown
     assert "rank 1: finished without calling all_reduce" in shown
     assert "failed" not in shown and "died" not in shown
@@ -80,8 +99,27 @@ def test_torchrun_cell_that_skips_a_collective_names_waiter_and_finisher(
 
 def test_torchrun_cell_takes_values_in_on_the_magic_line_and_returns_result(
         kernel_cells, no_leftovers: None) -> None:
-    magic = kernel_cells[len(CELLS) + 2:]
+    magic = kernel_cells[len(CELLS) + 2:len(CELLS) + 2 + len(MAGIC_CELLS)]
     assert not [o for c in magic for o in c.outputs if o.output_type == "error"]
     outputs = texts(magic)
     assert outputs[2].strip() == ("[{'rank': 0, 'lr': 0.25, 'sees_lr': False}, "
                                   "{'rank': 1, 'lr': 0.25, 'sees_lr': False}]")
+
+
+def test_ranks_cell_runs_the_program_torchrun_would(kernel_cells,
+                                                    no_leftovers: None) -> None:
+    """The same cell under %%ranks: its argv from the magic line, each rank's
+    ``result`` back, the kernel's variables invisible; a failing rank is named with
+    the cell's own line and no launcher frame."""
+    start = len(CELLS) + 2 + len(MAGIC_CELLS)
+    ran, printed, failing = kernel_cells[start:start + 3]
+    assert not [o for c in (ran, printed) for o in c.outputs
+                if o.output_type == "error"]
+    assert texts([printed])[0].strip() == (
+        "[{'rank': 0, 'lr': 0.25, 'sees_lr': False}, "
+        "{'rank': 1, 'lr': 0.25, 'sees_lr': False}]")
+    ename, shown = error_of(failing)
+    assert ename == "LaunchError"
+    assert "rank 2 failed (ValueError: rank 2 found a NaN)" in shown
+    assert 'File "<cell>", line 7' in shown
+    assert "launch.py" not in shown and "runpy" not in shown

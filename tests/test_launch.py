@@ -139,6 +139,28 @@ def test_torchrun_deadlock_is_stopped_and_reported(tmp_path, nproc, no_leftovers
     assert "collective mismatch" in str(info.value)
 
 
+def test_spawn_script_runs_the_script_in_torchruns_environment(tmp_path, capsys,
+                                                               no_leftovers) -> None:
+    """The script torchrun runs above, on ranks forked from the warm server: the same
+    lines and values; a hang is reported at the script's own lines (as torchrun's
+    report below), counted from the moment every rank joined (not the 3 s sleep)."""
+    result = launch.spawn_script(_script(tmp_path, HELLO + "    result = world.rank\n"),
+                                 nproc=2, timeout=60)
+    assert result.values == [0, 1]
+    for r in range(2):
+        assert result.outputs[r].splitlines() == ["backend gloo",
+                                                 f"partial line of rank {r}: sum=3"]
+    assert f"[rank 1] partial line of rank 1: sum=3" in capsys.readouterr().out
+    with pytest.raises(launch.LaunchTimeout) as info:
+        launch.spawn_script(_script(tmp_path, DEADLOCK), nproc=2, timeout=2,
+                            stream=False)
+    report = info.value.report
+    assert report[0].startswith("rank 0: in all_reduce at script.py line 8"), report
+    assert report[1].startswith("rank 1: at script.py line 10: time.sleep(600)")
+    with pytest.raises(ValueError, match="no such script"):
+        launch.spawn_script(tmp_path / "missing.py", nproc=2)
+
+
 RAISES = """
     import torch.distributed as dist
     from dtlib.runtime import dist as ddist

@@ -197,6 +197,9 @@ def init(
     Taught in: Chapter 0.
     """
     if dist.is_initialized():
+        # A script run on ranks that joined before it started (launch.spawn_script)
+        # joins here, as far as its launch's timeout is concerned.
+        _note_joined(dist.get_rank())
         return world()
     rank, local_rank, world_size = _from_env()
     local_world_size = _env_int("LOCAL_WORLD_SIZE", local_rank + 1)
@@ -247,8 +250,11 @@ def _note_joined(rank: int) -> None:
     ``rank{k}.joined`` in its log folder. The launch's timeout counts from the moment
     every rank has joined, so importing torch and the rendezvous never eat into it."""
     log_dir = os.environ.get("DTLIB_LOG_DIR")
+    # launch.spawn_script's ranks join before the script runs; the script's own
+    # init() is the join its timeout counts from (the mark is "group" until then).
+    mark = os.environ.get("DTLIB_JOINED_MARK", "joined")
     if log_dir and os.path.isdir(log_dir):
-        with open(os.path.join(log_dir, f"rank{rank}.joined"), "w") as f:
+        with open(os.path.join(log_dir, f"rank{rank}.{mark}"), "w") as f:
             f.write("joined\n")
 
 

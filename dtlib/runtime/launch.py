@@ -6,7 +6,8 @@ Two ways in, one supervisor:
   --standalone``: the real launcher, the one that also runs multi-node and under Slurm.
 - :func:`spawn` runs an importable function on each rank and returns what each returned.
   Its processes fork from a server that has already imported torch, so a launch costs
-  milliseconds instead of one torch import per rank.
+  milliseconds instead of one torch import per rank. :func:`spawn_script` runs a
+  script that way, in torchrun's environment (the ``%%ranks`` cell magic).
 
 Both stream every rank's output as whole lines prefixed ``[rank k]``, stop on the first
 failing rank (naming it and its traceback), and on a timeout first ask every rank where
@@ -22,6 +23,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import runpy
 import subprocess
 import sys
 import threading
@@ -35,8 +37,8 @@ from dtlib.runtime.supervise import (CollectiveMismatch, LaunchError, LaunchResu
                                     LaunchTimeout, Supervisor, kill_tree,
                                     threads_per_rank)
 
-__all__ = ["torchrun", "spawn", "default_nproc", "LaunchError", "LaunchTimeout",
-           "CollectiveMismatch",
+__all__ = ["torchrun", "spawn", "spawn_script", "default_nproc", "LaunchError",
+           "LaunchTimeout", "CollectiveMismatch",
            "LaunchResult", "kill_tree", "threads_per_rank", "CPU_NPROC",
            "DEFAULT_TIMEOUT_S"]
 
@@ -189,6 +191,8 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int,
     torch.set_num_threads(threads_per_rank(world_size))
     from dtlib.runtime import dist as ddist
 
+    if fn is _run_script:  # the script's own init() marks the join (_run_script)
+        os.environ["DTLIB_JOINED_MARK"] = "group"
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, world_size,
                                            is_master=False)
@@ -277,11 +281,65 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
     _check_launch_args(world_size, timeout)
     if not callable(fn):
         raise ValueError(f"fn={fn!r} is not callable; pass the function each rank runs")
-    fn = _sendable(fn)
+    return _spawn(_sendable(fn), world_size, args, kwargs, timeout, backend, stream,
+                  Supervisor(world_size, stream, None))[0]
+
+
+def spawn_script(script: str | os.PathLike, *args: str, nproc: int | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, stream: bool = True,
+                 label: str | None = None) -> LaunchResult:
+    """Run the script ``script`` on ``nproc`` ranks forked from the warm server: what
+    :func:`torchrun` does with it, without torchrun's start-up.
+
+    Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) and has joined the world before the script
+    starts, so the script's own ``dtlib.runtime.dist.init()`` returns that world. The
+    script runs as the rank's ``__main__``; what it prints, raises or hangs in is
+    reported as under :func:`torchrun`. A torchrun launch pays one torch import per
+    rank and one for its agent (seconds each); use :func:`torchrun` where the launcher
+    itself is the point (its rendezvous, restarts, the command a cluster runs).
+
+    Args:
+        script, *args: the script's path and its command-line arguments.
+        nproc, timeout, stream, label: as :func:`torchrun`.
+    Returns:
+        A :class:`LaunchResult` (return code 0); ``values[rank]`` is the script's
+        top-level ``result`` variable on that rank (None where it has none).
+    Raises:
+        LaunchError, LaunchTimeout: as :func:`torchrun`.
+
+    Taught in: Chapter 0, "When it goes wrong".
+    """
+    nproc = default_nproc() if nproc is None else nproc
+    _check_launch_args(nproc, timeout)
+    path = os.path.abspath(os.fspath(script))
+    if not os.path.isfile(path):
+        raise ValueError(f"script={os.fspath(script)!r}: no such script")
+    sup = Supervisor(nproc, stream, label or f"{os.path.basename(path)} line", path)
+    values, wall_s = _spawn(_run_script, nproc, (path, tuple(map(str, args))), {},
+                            timeout, None, stream, sup)
+    return LaunchResult(0, sup.texts(), wall_s, values)
+
+
+def _run_script(path: str, argv: tuple[str, ...]) -> Any:
+    """On a spawned rank: run the script ``path`` as ``__main__``; its ``result``.
+    The launch's timeout counts from the script's own ``ddist.init()``, as under
+    torchrun (the rank joined the group before, under another mark)."""
+    os.environ.pop("DTLIB_JOINED_MARK", None)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))
+    namespace = runpy.run_path(path, run_name="__main__")
+    return namespace.get(worker.RESULT_NAME)
+
+
+def _spawn(fn: Callable[..., Any] | _ByValue, world_size: int, args: tuple,
+           kwargs: dict, timeout: float, backend: str | None, stream: bool,
+           sup: Supervisor) -> tuple[list[Any], float]:
+    """spawn's launch: (each rank's value, wall seconds); ``sup.script`` names the
+    script the ranks run (reports point into it), None for a function."""
     ctx = _context()
     store = torch.distributed.TCPStore("127.0.0.1", 0, None, True,
                                        wait_for_workers=False)
-    sup = Supervisor(world_size, stream, None)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_spawn_entry, daemon=True,
                          args=(fn, r, world_size, store.port, sup.log_dir, backend,
@@ -291,7 +349,7 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
     try:
         for p in procs:
             p.start()
-        with _interrupt_report(sup, None):
+        with _interrupt_report(sup, sup.script):
             while len(values) < world_size:
                 sup.pump()
                 failed = False
@@ -315,12 +373,12 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
                     raise sup.root_cause_error(codes)
                 if sup.past_deadline(timeout):
                     sup.pump()
-                    raise sup.timeout_error(timeout, None)
+                    raise sup.timeout_error(timeout, sup.script)
                 time.sleep(_POLL_S)
         for p in procs:
             p.join(timeout=max(1.0, timeout - (time.monotonic() - start)))
         sup.pump(final=True)
-        return [values[r] for r in range(world_size)]
+        return [values[r] for r in range(world_size)], time.monotonic() - start
     finally:
         kill_tree([p.pid for p in procs if p.pid is not None and p.exitcode is None])
         sup.close()

@@ -90,12 +90,15 @@ def _exit_with_launcher(log_dir: str) -> None:
     threading.Thread(target=watch, daemon=True, name="dtlib-launcher-watch").start()
 
 
+_LAUNCHER_FILES = {__file__, os.path.join(os.path.dirname(__file__), "launch.py")}
+
+
 def record_exception(log_dir: str, rank: int, exc: BaseException) -> None:
     """Write the exception's type, message and traceback for the launcher to read."""
-    # Drop the launcher's own frames (this file, runpy): the reader's code is what
-    # matters.
+    # Drop the launcher's own frames (this file, spawn's entry in launch.py, runpy):
+    # the reader's code is what matters.
     tb = [fr for fr in traceback.extract_tb(exc.__traceback__)
-          if fr.filename != __file__ and "runpy" not in fr.filename]
+          if fr.filename not in _LAUNCHER_FILES and "runpy" not in fr.filename]
     text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(tb))
     text += "".join(traceback.format_exception_only(type(exc), exc))
     info = {"type": type(exc).__name__, "message": str(exc), "traceback": text,
