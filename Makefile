@@ -29,8 +29,12 @@ book: venv
 	touch _build/.jupyter_cache
 
 ## Run every test: unit tests, multi-rank tests, and every notebook under nbval.
+## On JOBS pytest workers (default 2, CI's cores; JOBS=1: one process, in order): each
+## file runs whole on one worker, so a notebook keeps its kernel and a test module its
+## shared launches.
+JOBS ?= 2
 test: venv
-	$(BIN)/python -m pytest --durations=15 \
+	$(BIN)/python -m pytest --durations=15 $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile) \
 	    --nbval-lax --nbval-current-env --nbval-cell-timeout=240 tests notebooks
 
 ## The built book as a reader sees it: every page in headless Chromium, offline

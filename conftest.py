@@ -16,21 +16,30 @@ _NOTEBOOK_SECONDS: dict[str, float] = collections.defaultdict(float)
 
 # Every launch from this test session (and from subprocesses it starts) carries this
 # mark in its environment: other sessions' launches on the same machine are not ours.
-OWNER = os.environ.setdefault("DTLIB_LAUNCH_OWNER", str(os.getpid()))
+# Under pytest-xdist each worker is a session of its own: it inherits the controller's
+# mark and adds its name, so a worker never judges the launches of the other.
+SESSION = os.environ.setdefault("DTLIB_LAUNCH_OWNER", str(os.getpid()))
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+OWNER = SESSION
+if WORKER and not SESSION.endswith(f"-{WORKER}"):
+    OWNER = os.environ["DTLIB_LAUNCH_OWNER"] = f"{SESSION}-{WORKER}"
 # Deprecated API called from dtlib's own code fails the run, in this process and in
 # every kernel and rank it starts (see dtlib/__init__.py; tests/test_deprecations.py).
 os.environ.setdefault("DTLIB_STRICT_WARNINGS", "1")
 
 
-def launched_processes(pattern: str = "") -> list[psutil.Process]:
+def launched_processes(pattern: str = "", every_worker: bool = False
+                       ) -> list[psutil.Process]:
     """This session's torchrun agents and rank workers whose command line has
-    ``pattern``."""
+    ``pattern`` (this worker's; ``every_worker``: those of every xdist worker)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-            if ("dtlib.runtime.worker" in cmd or "torch.distributed.run" in cmd) and pattern in cmd \
-                    and p.environ().get("DTLIB_LAUNCH_OWNER") == OWNER:
+            owner = p.environ().get("DTLIB_LAUNCH_OWNER", "")
+            ours = owner == OWNER or every_worker and owner.startswith(f"{SESSION}-")
+            if ("dtlib.runtime.worker" in cmd or "torch.distributed.run" in cmd) \
+                    and pattern in cmd and ours:
                 found.append(p)
         except psutil.Error:
             continue
@@ -50,6 +59,23 @@ def no_leftovers():
     assert not leftovers, f"processes left behind: {[p.cmdline() for p in leftovers]}"
 
 
+# The files that take longest (measured with --durations=0) start first, so that the
+# pytest workers of `make test` finish together instead of one waiting on the other's
+# last long file; every other file keeps pytest's order, and each file's tests theirs.
+LONGEST_FIRST = ["tests/test_train.py", "notebooks/10_capstone.ipynb",
+                 "notebooks/03_data_parallel.ipynb",
+                 "notebooks/06_pipeline_parallel.ipynb",
+                 "notebooks/04_zero_fsdp.ipynb", "tests/test_gpu_check.py",
+                 "notebooks/07_mixed_precision.ipynb", "tests/test_launch_failures.py",
+                 "tests/test_launch.py", "notebooks/13_where_the_time_goes.ipynb"]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config,
+                                  items: list[pytest.Item]) -> None:
+    rank = {path: k for k, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = report.nodeid.split("::")[0]
     if path.endswith(".ipynb"):
@@ -57,7 +83,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    leftovers = _alive(launched_processes())
+    if WORKER:  # the controller judges every worker's leftovers once they are done
+        return
+    leftovers = _alive(launched_processes(every_worker=True))
     if leftovers:
         session.config._dtlib_leftovers = [" ".join(p.cmdline()) for p in leftovers]
         for p in leftovers:
