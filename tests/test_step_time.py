@@ -221,6 +221,56 @@ def test_mfu_against_a_hand_computed_case():
         mfu(1.0, 1.0, 1.0, 0)
 
 
+# ---------------------------------------------------------------- drift, rounds
+
+def test_machine_at_prices_with_the_probes_around_the_steps():
+    from dtlib.chapters.ch13_time.drift import drift_of, machine_at
+
+    base = machine(cores=2, shared={2: 0.9, 4: 0.3})
+    # 1 GFLOP alone in 0.5 s then 1.5 s (mean 1 s: 1 GFLOP/s); every rank at once
+    # in 2 s then 2 s (mean 2 s): each rank gets half the alone rate; AdamW and a
+    # copy, rank 0 alone, at their means
+    probes = [{"flops": 1e9, "alone_s": 0.5, "all_s": 2.0,
+               "optimizer_s_per_param": 1e-9, "copy_s_per_byte": 2e-10},
+              {"flops": 1e9, "alone_s": 1.5, "all_s": 2.0,
+               "optimizer_s_per_param": 3e-9, "copy_s_per_byte": 4e-10}]
+    m = machine_at(base, probes, 4)
+    assert m.flops_per_s == 1e9 and m.shared == {2: 0.9, 4: 0.5}
+    assert m.optimizer_s_per_param == 2e-9 and close(m.copy_s_per_byte, 3e-10)
+    assert rank_flops(m, 4) == 0.5e9  # the all-at-once rate, as measured
+    assert m.fits == base.fits and m.alpha_s == base.alpha_s
+    assert drift_of(probes) == 1.0
+    assert drift_of([{"all_s": 2.0}, {"all_s": 3.0}]) == 1.5
+    # every term computed at the rank's rate follows the probes: half the rate,
+    # twice the compute
+    w = Workload(MODEL, global_batch=8)
+    slow = machine_at(base, [{**p, "all_s": 4.0} for p in probes], 4)
+    assert close(predict("zero-3", w, slow, 4).compute_s,
+                 2 * predict("zero-3", w, m, 4).compute_s)
+    with pytest.raises(ValueError, match="alone_s > 0"):
+        machine_at(base, [{**probes[0], "alone_s": 0.0}], 2)
+    with pytest.raises(ValueError, match="different passes"):
+        machine_at(base, [probes[0], {**probes[1], "flops": 2e9}], 2)
+
+
+def test_summarize_takes_the_median_over_rounds_and_its_spread():
+    from dtlib.chapters.ch13_time.drift import summarize
+
+    def row(name, n, ratio, drift=1.0):
+        return {"strategy": name, "world_size": n, "measured_s": ratio,
+                "predicted_s": 1.0, "ratio": ratio, "drift": drift}
+
+    rows = [row("tp", 2, 0.9), row("tp", 2, 1.5, 1.2), row("tp", 2, 1.2),
+            row("tp", 4, 2.0), row("1f1b", 2, 0.5)]
+    tp2, tp4, pipe = summarize(rows, (0.75, 1.33))
+    assert (tp2["strategy"], tp2["world_size"], tp2["rounds"]) == ("tp", 2, 3)
+    assert tp2["ratio"] == 1.2 and tp2["measured_s"] == 1.2 and tp2["in_band"]
+    assert (tp2["ratio_lo"], tp2["ratio_hi"], tp2["drift"]) == (0.9, 1.5, 1.2)
+    assert close(tp2["spread"], 1.5 / 0.9)
+    assert tp4["rounds"] == 1 and tp4["spread"] == 1.0 and not tp4["in_band"]
+    assert pipe["strategy"] == "1f1b" and not pipe["in_band"]
+
+
 # ---------------------------------------------------------------- traced steps
 
 #: Untied (the pipelines cut the head from the embedding), 2 blocks, 4 heads.
