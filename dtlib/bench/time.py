@@ -5,12 +5,13 @@ measures the machine's inputs (matmul FLOP/s alone and with every rank busy, Ada
 seconds per parameter, a copy's seconds per byte, Chapter 2's alpha-beta fits), then
 times every strategy of ``dtlib.planner.step_time.STRATEGIES`` on the same GPT, in one
 launch per world size. The compute rate drifts on a shared or virtual machine, so the
-launch probes it (the GPT's own forward and backward, rank 0 alone and every rank at
-once) before and after each strategy's steps, and the pure step-time model prices each
-strategy with the probes around it. The launch goes through the strategies
-``--rounds`` times; a row is one strategy and world size: the median ratio measured /
-predicted over the rounds, its lowest and highest (the spread), and the largest drift
-of the probes around its steps. Goal: every ratio within 0.75-1.33 on an idle machine.
+launch probes it after every step (the GPT's own forward and backward, rank 0 alone and
+every rank at once, AdamW's step, a copy, one message of each collective), and the pure
+step-time model prices each timed step with the probes just before and after it. The
+launch goes through the strategies ``--rounds`` times; a row is one strategy and world
+size: the median ratio measured / predicted over the rounds, its lowest and highest (the
+spread), and the largest drift of the probes around its steps. Goal: every ratio within
+0.75-1.33 on an idle machine.
 
 Taught in: Chapter 13, "Predicted against measured".
 """

@@ -224,12 +224,13 @@ def profile_step(strategy: str, cfg: GPTConfig = TIME_GPT, global_batch: int = 8
 
 
 def chapter_run(strategies: tuple[str, ...], traced: tuple[str, ...],
-                trace_dir: str | None, steps: int = 2, rounds: int = 2
+                trace_dir: str | None, steps: int = 1, rounds: int = 2
                 ) -> dict[str, Any]:
     """On every rank: everything the page measures, in one launch.
 
     Returns:
-        ``machine`` (:func:`measure_machine`), ``steps`` (:func:`time_strategies`,
+        ``machine`` (:func:`measure_machine`; the GPT's own rate is the probes'),
+        ``steps`` (:func:`time_strategies`,
         ``rounds`` times, the compute rate probed around each strategy's steps),
         ``traces`` (``{strategy: profile_step(...)}``) and ``timeline`` (Chapter 3's
         hand-made timeline of the overlapped DDP, same GPT and buckets).
@@ -238,8 +239,9 @@ def chapter_run(strategies: tuple[str, ...], traced: tuple[str, ...],
     """
     from dtlib.chapters.ch03_data_parallel.runs import record_timeline
 
+    # the GPT's own rate is what the probes beside the steps time (rank 0 alone)
     return {"machine": measure_machine(sizes=(2**12, 2**16, 2**20, 2**22),
-                                       repeats=3, cfg=TIME_GPT),
+                                       repeats=3),
             "steps": time_strategies(strategies, steps=steps, probe=True,
                                      rounds=rounds),
             "traces": {s: profile_step(s, trace_dir=trace_dir) for s in traced},
