@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from dtlib.chapters.ch13_time.drift import drift_of, machine_at
-from dtlib.chapters.ch13_time.machine import (Probe, machine_from, measure_machine,
-                                              probe_rate, slowest)
+from dtlib.chapters.ch13_time.machine import machine_from, measure_machine, slowest
+from dtlib.chapters.ch13_time.probe import Probe, probe_rate
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
 from dtlib.models.run import Parallelism, run_steps
