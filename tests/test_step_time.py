@@ -221,6 +221,94 @@ def test_mfu_against_a_hand_computed_case():
         mfu(1.0, 1.0, 1.0, 0)
 
 
+# ---------------------------------------------------------------- drift, rounds
+
+def test_machine_at_prices_with_the_probes_around_the_steps():
+    from dtlib.chapters.ch13_time.drift import drift_of, machine_at
+
+    base = machine(cores=2, shared={2: 0.9, 4: 0.3})
+    # 1 GFLOP alone in 0.5 s then 1.5 s (mean 1 s: 1 GFLOP/s); every rank at once
+    # in 2 s then 2 s (mean 2 s): each rank gets half the alone rate; AdamW and a
+    # copy, rank 0 alone, at their means
+    probes = [{"flops": 1e9, "alone_s": 0.5, "all_s": 2.0,
+               "optimizer_s_per_param": 1e-9, "copy_s_per_byte": 2e-10},
+              {"flops": 1e9, "alone_s": 1.5, "all_s": 2.0,
+               "optimizer_s_per_param": 3e-9, "copy_s_per_byte": 4e-10}]
+    m = machine_at(base, probes, 4)
+    assert m.flops_per_s == 1e9 and m.shared == {2: 0.9, 4: 0.5}
+    assert m.optimizer_s_per_param == 2e-9 and close(m.copy_s_per_byte, 3e-10)
+    assert rank_flops(m, 4) == 0.5e9  # the all-at-once rate, as measured
+    assert m.fits == base.fits and m.alpha_s == base.alpha_s
+    assert drift_of(probes) == 1.0
+    assert drift_of([{"all_s": 2.0}, {"all_s": 3.0}]) == 1.5
+    # every term computed at the rank's rate follows the probes: half the rate,
+    # twice the compute
+    w = Workload(MODEL, global_batch=8)
+    slow = machine_at(base, [{**p, "all_s": 4.0} for p in probes], 4)
+    assert close(predict("zero-3", w, slow, 4).compute_s,
+                 2 * predict("zero-3", w, m, 4).compute_s)
+    # one 1 MiB all-reduce on 4 ranks, by the fit: 2(N-1) alpha + 2(N-1)/N bytes
+    # beta = 6e-4 + 1.5 * 2**20 * 1e-9 s; probes that took twice that re-level the
+    # all-reduce's fit (and send's, which is the all-reduce's) by 2, keep its shape
+    # and leave a collective they did not time alone
+    fits = {("all_reduce", 4): (1e-4, 1e-9), ("send", 4): (1e-4, 1e-9),
+            ("all_gather", 4): (3e-4, 2e-9)}
+    by_fit = 6e-4 + 1.5 * 2**20 * 1e-9
+    timed = [{**p, "comm_bytes": 2**20, "all_reduce_s": 2 * by_fit} for p in probes]
+    relevel = machine_at(machine(cores=2, fits=fits), timed, 4)
+    assert relevel.fits[("all_gather", 4)] == (3e-4, 2e-9)
+    for key in (("all_reduce", 4), ("send", 4)):
+        assert all(close(a, 2 * b) for a, b in zip(relevel.fits[key], (1e-4, 1e-9)))
+    with pytest.raises(ValueError, match="alone_s > 0"):
+        machine_at(base, [{**probes[0], "alone_s": 0.0}], 2)
+    with pytest.raises(ValueError, match="different passes"):
+        machine_at(base, [probes[0], {**probes[1], "flops": 2e9}], 2)
+
+
+def test_compare_prices_each_step_with_the_probes_either_side():
+    from dtlib.chapters.ch13_time.drift import machine_at
+    from dtlib.chapters.ch13_time.runs import TIME_GPT, compare, workload_of
+
+    base = machine(cores=2)
+
+    def probe(all_s):
+        return {"flops": 1e9, "alone_s": 0.5, "all_s": all_s,
+                "optimizer_s_per_param": 1e-9, "copy_s_per_byte": 1e-10}
+
+    # the machine slows between the steps: 1 s, then 1 s, then 3 s every rank at once
+    probes = [probe(1.0), probe(1.0), probe(3.0)]
+    rec = {"strategy": "zero-3", "world_size": 4, "n_params": 10**6,
+           "n_tensors": 20, "round": 0, "probes": probes}
+    w = workload_of(TIME_GPT, rec)
+    first, second = (predict("zero-3", w, machine_at(base, pair, 4), 4).total_s
+                     for pair in (probes[:2], probes[1:]))
+    assert second > 1.5 * first  # the second step is priced at the slower machine
+    # steps that took exactly what their own probes predict: every ratio is 1; a
+    # step priced with the other step's probes would be off by second / first
+    rec.update(step_times_s=[first, second], step_time_s=(first + second) / 2)
+    row, = compare([rec], base)
+    assert close(row["ratio"], 1.0) and close(row["predicted_s"], (first + second) / 2)
+    assert row["round"] == 0 and row["drift"] == 3.0
+
+
+def test_summarize_takes_the_median_over_rounds_and_its_spread():
+    from dtlib.chapters.ch13_time.drift import summarize
+
+    def row(name, n, ratio, drift=1.0):
+        return {"strategy": name, "world_size": n, "measured_s": ratio,
+                "predicted_s": 1.0, "ratio": ratio, "drift": drift}
+
+    rows = [row("tp", 2, 0.9), row("tp", 2, 1.5, 1.2), row("tp", 2, 1.2),
+            row("tp", 4, 2.0), row("1f1b", 2, 0.5)]
+    tp2, tp4, pipe = summarize(rows, (0.75, 1.33))
+    assert (tp2["strategy"], tp2["world_size"], tp2["rounds"]) == ("tp", 2, 3)
+    assert tp2["ratio"] == 1.2 and tp2["measured_s"] == 1.2 and tp2["in_band"]
+    assert (tp2["ratio_lo"], tp2["ratio_hi"], tp2["drift"]) == (0.9, 1.5, 1.2)
+    assert close(tp2["spread"], 1.5 / 0.9)
+    assert tp4["rounds"] == 1 and tp4["spread"] == 1.0 and not tp4["in_band"]
+    assert pipe["strategy"] == "1f1b" and not pipe["in_band"]
+
+
 # ---------------------------------------------------------------- traced steps
 
 #: Untied (the pipelines cut the head from the embedding), 2 blocks, 4 heads.

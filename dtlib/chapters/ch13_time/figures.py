@@ -21,7 +21,9 @@ def plot_ratios(records: Sequence[dict[str, Any]], band: tuple[float, float],
     """Measured / predicted step time per strategy and world size, the band shaded.
 
     Args:
-        records: dicts with ``strategy``, ``world_size``, ``ratio``.
+        records: dicts with ``strategy``, ``world_size``, ``ratio`` (and, from
+            ``drift.summarize``, ``ratio_lo`` and ``ratio_hi``: drawn as a bar from
+            the lowest to the highest round).
         band: the ratios the model promises on an idle machine.
     Returns:
         The matplotlib Figure.
@@ -37,9 +39,15 @@ def plot_ratios(records: Sequence[dict[str, Any]], band: tuple[float, float],
     for k, n in enumerate(sizes):
         xs = [i + (k - (len(sizes) - 1) / 2) * width for i, s in enumerate(names)
               for r in records if r["strategy"] == s and r["world_size"] == n]
-        ys = [r["ratio"] for s in names for r in records
-              if r["strategy"] == s and r["world_size"] == n]
-        ax.bar(xs, ys, width=width, color=f"C{k}", label=f"{n} ranks")
+        mine = [r for s in names for r in records
+                if r["strategy"] == s and r["world_size"] == n]
+        ys = [r["ratio"] for r in mine]
+        spread = None
+        if all("ratio_lo" in r for r in mine):
+            spread = [[y - r["ratio_lo"] for y, r in zip(ys, mine)],
+                      [r["ratio_hi"] - y for y, r in zip(ys, mine)]]
+        ax.bar(xs, ys, width=width, color=f"C{k}", label=f"{n} ranks", yerr=spread,
+               capsize=3 if spread else 0, ecolor="0.25")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=9)
     ax.set_ylabel("measured / predicted")
     inside = sum(band[0] <= r["ratio"] <= band[1] for r in records)

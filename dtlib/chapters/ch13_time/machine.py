@@ -7,7 +7,8 @@ how it is taken on the ranks that will train.
   alpha-beta fit of each collective (guarded by
   :func:`dtlib.collectives.cost_model.fit_distrust`);
 - :func:`machine_from`: the pure model's :class:`~dtlib.planner.machine.Machine`
-  from those measurements.
+  from those measurements (``probe.py`` re-takes the inputs that drift beside each
+  step).
 
 Taught in: Chapter 13, "Measuring the machine".
 """

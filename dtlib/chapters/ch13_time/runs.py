@@ -2,7 +2,8 @@
 the page's one launch (the machine's inputs are measured by ``machine.py``).
 
 - :func:`time_strategies`: the median step of each strategy, each a technique's
-  ``parallelism(...)`` in the one loop ``run_steps``;
+  ``parallelism(...)`` in the one loop ``run_steps``, in rounds, with the compute
+  rate probed around each strategy's steps;
 - :func:`profile_step`: ``torch.profiler`` around one step; its events, and the Chrome
   trace written for Perfetto (``trace.py`` reads them).
 
@@ -19,7 +20,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dtlib.chapters.ch13_time.drift import drift_of, machine_at
 from dtlib.chapters.ch13_time.machine import machine_from, measure_machine, slowest
+from dtlib.chapters.ch13_time.probe import Probe, probe_rate
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
 from dtlib.models.run import Parallelism, run_steps
@@ -78,34 +81,56 @@ FACTORIES: dict[str, Callable[[], Parallelism]] = {
 
 
 def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
-                    global_batch: int = 8, steps: int = 3, warmup: int = 1
-                    ) -> list[dict[str, Any]]:
+                    global_batch: int = 8, steps: int = 3, warmup: int = 1,
+                    probe: bool = False, rounds: int = 1) -> list[dict[str, Any]]:
     """On every rank: the median step of each strategy (the slowest rank's).
 
     Each strategy is ``FACTORIES[name]()`` in ``run_steps`` on the same global batch
     (``global_batch`` sequences: data-parallel ranks split it, TP ranks and pipeline
     stages see all of it); ``warmup`` untimed steps first.
 
+    Args:
+        probe: time the inputs that drift (``probe_rate``) after every step, so
+            each timed step is priced with the probes just before and after it.
+        rounds: times through the strategies (a record per strategy and round).
     Returns:
-        One dict per strategy: ``strategy``, ``world_size``, ``step_time_s``,
-        ``n_params``, ``n_tensors`` (of the unwrapped model).
+        One dict per strategy and round: ``strategy``, ``world_size``,
+        ``step_time_s`` (the median over the timed steps of the slowest rank's),
+        ``n_params``, ``n_tensors`` (of the unwrapped model), ``round``, and with
+        ``probe`` ``step_times_s`` (each timed step's) and ``probes`` (one more:
+        the probe before each timed step, then the one after the last).
 
     Taught in: Chapter 13, "Predicted against measured".
     """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} must be an integer >= 1")
     out = []
     device = ddist.world().device
-    for name in strategies:
+    gauge = Probe(cfg, global_batch) if probe else None
+    last = [probe_rate(gauge)] if gauge else []
+
+    def after_step(*_: Any) -> None:
         dist.barrier()
-        model = build_gpt(cfg, seed=0).to(device)
-        n_params = sum(p.numel() for p in model.parameters())
-        n_tensors = len(list(model.parameters()))
-        run = run_steps(FACTORIES[name](), model, gpt_batches(cfg, global_batch,
-                        device), warmup + steps, record_grads=False,
-                        record_params=False, on_step=lambda *_: dist.barrier())
-        out.append({"strategy": name, "world_size": dist.get_world_size(),
-                    "step_time_s": slowest(statistics.median(
-                        run.step_times[warmup:])),
-                    "n_params": n_params, "n_tensors": n_tensors})
+        if gauge is not None:
+            last.append(probe_rate(gauge))
+
+    for k in range(rounds):
+        for name in strategies:
+            dist.barrier()
+            model = build_gpt(cfg, seed=0).to(device)
+            n_params = sum(p.numel() for p in model.parameters())
+            n_tensors = len(list(model.parameters()))
+            del last[:-1]  # the probe before this strategy's first step
+            run = run_steps(FACTORIES[name](), model, gpt_batches(cfg, global_batch,
+                            device), warmup + steps, record_grads=False,
+                            record_params=False, on_step=after_step)
+            times = [slowest(t) for t in run.step_times[warmup:]]
+            rec = {"strategy": name, "world_size": dist.get_world_size(),
+                   "step_time_s": statistics.median(times),
+                   "n_params": n_params, "n_tensors": n_tensors, "round": k}
+            if gauge is not None:
+                rec.update(step_times_s=times, probes=last[warmup:])
+            out.append(rec)
     return out
 
 
@@ -122,20 +147,32 @@ def workload_of(cfg: GPTConfig, record: dict[str, Any], global_batch: int = 8
 def compare(records: list[dict[str, Any]], machine: Machine,
             cfg: GPTConfig = TIME_GPT, global_batch: int = 8
             ) -> list[dict[str, Any]]:
-    """Measured / predicted per strategy and world size.
+    """Measured / predicted per strategy and world size (and round).
+
+    A record with ``probes`` prices each timed step on ``drift.machine_at`` of the
+    probes just before and after it; its ratio is the median of its steps' ratios.
 
     Taught in: Chapter 13, "Predicted against measured".
     """
     out = []
     for r in records:
-        n = r["world_size"]
-        p = predict(r["strategy"], workload_of(cfg, r, global_batch), machine, n)
-        ratio = r["step_time_s"] / p.total_s
-        out.append({"strategy": r["strategy"], "world_size": n,
-                    "measured_s": r["step_time_s"], "predicted_s": p.total_s,
-                    "ratio": ratio,
-                    "compute_s": p.compute_s, "optimizer_s": p.optimizer_s,
-                    "exposed_s": p.exposed_s, "bubble_s": p.bubble_s})
+        n, w = r["world_size"], workload_of(cfg, r, global_batch)
+        p = predict(r["strategy"], w, machine, n)
+        row = {"strategy": r["strategy"], "world_size": n,
+               "measured_s": r["step_time_s"], "predicted_s": p.total_s,
+               "ratio": r["step_time_s"] / p.total_s}
+        if "probes" in r:
+            probes, times = r["probes"], r["step_times_s"]
+            steps = [predict(r["strategy"], w, machine_at(machine, probes[i:i + 2], n),
+                             n) for i in range(len(times))]
+            p = steps[0]  # the terms of the first step
+            row.update(predicted_s=statistics.median(s.total_s for s in steps),
+                       ratio=statistics.median(t / s.total_s
+                                               for t, s in zip(times, steps)),
+                       round=r["round"], drift=drift_of(probes))
+        row.update(compute_s=p.compute_s, optimizer_s=p.optimizer_s,
+                   exposed_s=p.exposed_s, bubble_s=p.bubble_s)
+        out.append(row)
     return out
 
 
@@ -187,11 +224,14 @@ def profile_step(strategy: str, cfg: GPTConfig = TIME_GPT, global_batch: int = 8
 
 
 def chapter_run(strategies: tuple[str, ...], traced: tuple[str, ...],
-                trace_dir: str | None, steps: int = 2) -> dict[str, Any]:
+                trace_dir: str | None, steps: int = 1, rounds: int = 2
+                ) -> dict[str, Any]:
     """On every rank: everything the page measures, in one launch.
 
     Returns:
-        ``machine`` (:func:`measure_machine`), ``steps`` (:func:`time_strategies`),
+        ``machine`` (:func:`measure_machine`; the GPT's own rate is the probes'),
+        ``steps`` (:func:`time_strategies`,
+        ``rounds`` times, the compute rate probed around each strategy's steps),
         ``traces`` (``{strategy: profile_step(...)}``) and ``timeline`` (Chapter 3's
         hand-made timeline of the overlapped DDP, same GPT and buckets).
 
@@ -199,8 +239,10 @@ def chapter_run(strategies: tuple[str, ...], traced: tuple[str, ...],
     """
     from dtlib.chapters.ch03_data_parallel.runs import record_timeline
 
+    # the GPT's own rate is what the probes beside the steps time (rank 0 alone)
     return {"machine": measure_machine(sizes=(2**12, 2**16, 2**20, 2**22),
-                                       repeats=3, cfg=TIME_GPT),
-            "steps": time_strategies(strategies, steps=steps),
+                                       repeats=3),
+            "steps": time_strategies(strategies, steps=steps, probe=True,
+                                     rounds=rounds),
             "traces": {s: profile_step(s, trace_dir=trace_dir) for s in traced},
             "timeline": record_timeline(TIME_GPT, 4, BUCKET_CAP_MB, steps=2)}
