@@ -59,6 +59,17 @@ def no_leftovers():
     assert not leftovers, f"processes left behind: {[p.cmdline() for p in leftovers]}"
 
 
+@pytest.fixture(autouse=True)
+def fresh_exercise_attempts():
+    """Each test starts with no wrong tries on record: a checker's feedback escalates
+    with the tries since its last success, and under ``-n`` one worker runs many files,
+    so another file's wrong answers must not change what this test's first try shows."""
+    from dtlib.exercises import _ATTEMPTS  # noqa: PLC2701 (the suite's own reset)
+
+    _ATTEMPTS.clear()
+    yield
+
+
 # The files that take longest (measured with --durations=0) start first, so that the
 # pytest workers of `make test` finish together instead of one waiting on the other's
 # last long file; every other file keeps pytest's order, and each file's tests theirs.
