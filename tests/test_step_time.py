@@ -204,6 +204,85 @@ def test_bad_input_names_the_argument():
         gpu_machine(efficiency=2.0)
 
 
+def test_control_collectives_are_counted_where_the_book_issues_them():
+    # beta 0: every collective costs its latency, so each control collective of a
+    # strategy adds exactly one call: an all-reduce is 2(n-1) alphas on the ring,
+    # an all-gather (n-1); on 4 ranks 6e-4 s and 3e-4 s
+    m = machine(beta_s_per_byte=0.0, cores=2)
+    plain = Workload(MODEL, global_batch=8)
+    ours = Workload(MODEL, global_batch=8, control_collectives=True)
+    ar, ag = 6 * 1e-4, 3 * 1e-4
+    units = MODEL.n_layers + 1
+    extra = {"ddp/naive": ar, "ddp/bucketed": ar, "ddp/overlapped": ar,
+             "zero-1": 2 * ar, "zero-2": 2 * ar,  # the loss and the usage flags
+             # and an agreement before each of the 3 collectives of every unit
+             "zero-3": 2 * ar + 3 * units * ag,
+             "fsdp2": ar,  # torch's: the loss only
+             "tp": 0.0,  # every rank holds the loss: nothing to reduce
+             "gpipe": 2 * ar, "1f1b": 2 * ar}  # the barrier, the loss broadcast
+    assert set(extra) == set(STRATEGIES)
+    for name, seconds in extra.items():
+        a, b = predict(name, plain, m, 4), predict(name, ours, m, 4)
+        assert close(b.total_s - a.total_s, seconds), name
+        assert close(b.comm_s - a.comm_s, seconds), name
+    # on a device per rank the loss's all-reduce after the optimizer is exposed too
+    gpu = machine(beta_s_per_byte=0.0)
+    for name in ("ddp/overlapped", "fsdp2"):
+        assert close(predict(name, ours, gpu, 4).exposed_s
+                     - predict(name, plain, gpu, 4).exposed_s, ar)
+
+
+def test_a_collective_no_line_fits_is_priced_by_its_measured_points():
+    from dtlib.planner.machine import curve_s, monotone
+
+    points = ((1000.0, 2e-3), (3000.0, 4e-3), (5000.0, 5e-3))
+    assert curve_s(points, 10.0) == 2e-3  # below the smallest: its latency
+    assert close(curve_s(points, 2000.0), 3e-3)  # on the line between two sizes
+    assert close(curve_s(points, 9000.0), 7e-3)  # past the last: its slope
+    assert curve_s(((1.0, 5e-3), (2.0, 4e-3)), 9.0) == 4e-3  # never falling
+    assert curve_s(((64.0, 1e-3),), 1e6) == 1e-3  # one point: flat
+    # a larger message never costs less: a late call pools with its neighbours
+    assert monotone(((4.0, 5.0), (1.0, 1.0), (2.0, 3.0), (3.0, 1.0))) == \
+        ((1.0, 1.0), (2.0, 2.0), (3.0, 2.0), (4.0, 5.0))
+    assert monotone(points) == points
+    # the machine uses a curve only where no fit of that (op, N) exists; messages
+    # of a naive DDP are priced one by one at their mean size
+    m = machine(cores=2, curves={("all_reduce", 4): points},
+                fits={("all_gather", 4): (1e-4, 0.0)})
+    assert close(m.collective_s("all_reduce", 4000.0, 4, messages=2), 2 * 3e-3)
+    assert close(m.collective_s("all_gather", 4000.0, 4), 3e-4)
+    assert close(m.collective_s("all_reduce", 4000.0, 2), 2e-4 + 4000.0 * 1e-9)
+    with pytest.raises(ValueError, match="curves"):
+        machine(curves={("all_reduce", 4): ((0.0, 1e-3),)})
+    with pytest.raises(ValueError, match="curves"):
+        machine(curves={("all_reduce", 4): ((1.0, 1e-3), (1.0, 2e-3))})
+
+
+def test_machine_from_keeps_trusted_fits_and_the_points_of_the_rest():
+    from dtlib.chapters.ch13_time.drift import machine_at
+    from dtlib.chapters.ch13_time.machine import machine_from
+
+    measured = {"world_size": 4, "flops_alone": 1e9, "flops_roof": 1e9,
+                "flops_model": 1e9, "flops_shared": 4e8,
+                "optimizer_s_per_param": 1e-9, "copy_s_per_byte": 1e-10,
+                "fits": {"all_reduce": (1e-4, 1e-9, None),
+                         "all_gather": (1e-3, 0.0, "did not grow")},
+                "points": [("all_reduce", 4096, 1e-3), ("all_gather", 4096, 6e-3),
+                           ("all_gather", 2**20, 4e-3), ("all_gather", 2**22, 8e-3)]}
+    m = machine_from([measured], cores=2)
+    assert m.fits == {("all_reduce", 4): (1e-4, 1e-9), ("send", 4): (1e-4, 1e-9)}
+    assert m.curves == {("all_gather", 4): ((4096.0, 5e-3), (2.0**20, 5e-3),
+                                            (2.0**22, 8e-3))}
+    assert m.shared == {4: 0.4}
+    # a probe that took twice what the curve says for 1 MiB re-levels every point
+    probe = {"flops": 1e9, "alone_s": 1.0, "all_s": 2.0, "optimizer_s_per_param": 1e-9,
+             "copy_s_per_byte": 1e-10, "comm_bytes": 2**20, "all_gather_s": 1e-2}
+    relevel = machine_at(m, [probe], 4)
+    assert all(close(t, 2 * t0) for (_, t), (_, t0)
+               in zip(relevel.curves[("all_gather", 4)], m.curves[("all_gather", 4)]))
+    assert relevel.fits == m.fits
+
+
 # ---------------------------------------------------------------- MFU
 
 def test_mfu_against_a_hand_computed_case():

@@ -2,12 +2,14 @@
 
 ``python -m dtlib.bench time [--world-sizes 2 4] [--rounds 3] [--steps 2] [--json P]``
 measures the machine's inputs (matmul FLOP/s alone and with every rank busy, AdamW
-seconds per parameter, a copy's seconds per byte, Chapter 2's alpha-beta fits), then
-times every strategy of ``dtlib.planner.step_time.STRATEGIES`` on the same GPT, in one
-launch per world size. The compute rate drifts on a shared or virtual machine, so the
-launch probes it after every step (the GPT's own forward and backward, rank 0 alone and
-every rank at once, AdamW's step, a copy, one message of each collective), and the pure
-step-time model prices each timed step with the probes just before and after it. The
+seconds per parameter, a copy's seconds per byte, Chapter 2's alpha-beta fits, or a
+collective's measured sizes where no line fits), then times every strategy of
+``dtlib.planner.step_time.STRATEGIES`` on the same GPT, in one launch per world size.
+The compute rate drifts on a shared or virtual machine, so the launch probes it after
+every step (the GPT's own forward and backward, rank 0 alone and every rank at once,
+AdamW's step, a copy, each collective on one message: the median of three calls), and
+the pure step-time model prices each timed step with the probes just before and after
+it, counting the small collectives the book's loop and ZeRO issue. The
 launch goes through the strategies ``--rounds`` times; a row is one strategy and world
 size: the median ratio measured / predicted over the rounds, its lowest and highest (the
 spread), and the largest drift of the probes around its steps. Goal: every ratio within

@@ -18,8 +18,8 @@ from dtlib.collectives.cost_model import cost_terms
 
 from dtlib.planner.specs import PRESETS
 
-__all__ = ["Machine", "gpu_machine", "rank_flops", "H100_HBM_BYTES_PER_S",
-           "ADAMW_BYTES_PER_PARAM"]
+__all__ = ["Machine", "curve_s", "monotone", "gpu_machine", "rank_flops",
+           "H100_HBM_BYTES_PER_S", "ADAMW_BYTES_PER_PARAM"]
 
 #: H100/H200 SXM HBM bandwidth, 3.35 TB/s (NVIDIA H100 datasheet; H200: 4.8 TB/s).
 H100_HBM_BYTES_PER_S = 3.35e12
@@ -47,6 +47,12 @@ class Machine:
         rank reaches while that many compute at once (the slowest rank's matmul
         over one rank's alone); it overrides the sharing rule of
         :func:`rank_flops` for that count.
+    curves: per ``(op, world_size)`` whose alpha-beta line Chapter 2's guard
+        rejected, the measured ``(bytes, seconds)`` of one call at each timed size:
+        a message is priced by :func:`curve_s` between them (no line describes a
+        collective whose time does not grow with its size, as when ranks outnumber
+        cores and each hop waits for a rank to be scheduled). A fit of the same key
+        wins.
     """
 
     name: str
@@ -58,6 +64,8 @@ class Machine:
     fits: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     copy_s_per_byte: float = 0.0
     shared: dict[int, float] = field(default_factory=dict)
+    curves: dict[tuple[str, int], tuple[tuple[float, float], ...]] = field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "alpha_s", "beta_s_per_byte",
@@ -76,6 +84,12 @@ class Machine:
                     or not isinstance(ranks, int) or ranks < 1:
                 raise ValueError(f"shared={self.shared!r}: each entry must map a "
                                  "rank count >= 1 to a measured fraction > 0")
+        for key, points in self.curves.items():
+            if not points or any(not (math.isfinite(b) and math.isfinite(t)
+                                       and b > 0 and t > 0) for b, t in points) \
+                    or len({b for b, _ in points}) != len(points):
+                raise ValueError(f"curves[{key!r}]={points!r} must be (bytes, seconds) "
+                                 "pairs, each > 0, one per message size")
 
     def shares_cores(self, world_size: int) -> bool:
         """Whether compute and communication share the cores (no second stream)."""
@@ -89,12 +103,55 @@ class Machine:
         """
         if world_size == 1 or messages == 0:
             return 0.0
+        key = (op, world_size)
+        if key not in self.fits and key in self.curves:
+            return messages * curve_s(self.curves[key], nbytes / messages)
         alpha, beta = self.fits.get((op, world_size),
                                     (self.alpha_s, self.beta_s_per_byte))
         if op == "send":
             return messages * alpha + nbytes * beta
         a, b, _ = cost_terms("ring", op, world_size)
         return messages * a * alpha + b * nbytes * beta
+
+
+def curve_s(points: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """Seconds of one call of ``nbytes`` read off measured ``(bytes, seconds)``
+    points: the smallest size's time below it (a call costs at least its latency),
+    straight lines between sizes, and past the largest the last segment's slope (at
+    least flat).
+
+    Taught in: Chapter 13, "Measuring the machine".
+    """
+    pts = sorted(points)
+    if nbytes <= pts[0][0] or len(pts) == 1:  # one point: flat
+        return pts[0][1]
+    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+        if nbytes <= b1:
+            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = pts[-2], pts[-1]
+    return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (nbytes - b1)
+
+
+def monotone(points: tuple[tuple[float, float], ...]
+             ) -> tuple[tuple[float, float], ...]:
+    """Measured ``(bytes, seconds)`` made non-decreasing in bytes, by pooling
+    adjacent sizes that run backwards into their mean (pool-adjacent-violators):
+    a larger message never costs less, so a size whose call waited on a late rank
+    does not make the sizes after it look cheaper.
+
+    Taught in: Chapter 13, "Measuring the machine".
+    """
+    pts = sorted(points)
+    blocks: list[list[float]] = []  # [sum of seconds, count]
+    for _, t in pts:
+        blocks.append([t, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > \
+                blocks[-1][0] / blocks[-1][1]:
+            t_sum, count = blocks.pop()
+            blocks[-1][0] += t_sum
+            blocks[-1][1] += count
+    times = [t_sum / count for t_sum, count in blocks for _ in range(int(count))]
+    return tuple((b, t) for (b, _), t in zip(pts, times))
 
 
 def gpu_machine(name: str = "H100-80GB", efficiency: float = 0.5) -> Machine:

@@ -69,6 +69,14 @@ class Workload:
     n_micro: micro-batches per step of the pipelines (m).
     bytes_per_element: 4 (fp32 gradients and activations).
     recompute: "none", "selective" or "full" (adds FLOPs, Chapter 12).
+    control_collectives: also count the small collectives the book's own loop and
+        techniques issue besides the gradient and activation traffic, each priced as
+        a message of its few bytes (its latency): the logged loss's all-reduce of
+        every data-parallel step (``Parallelism.global_loss``); ZeRO's usage flags,
+        one all-reduce a step (stages 1-3, ours); ZeRO-3's agreement check, an
+        all-gather of two integers before each unit's collective (ours); the
+        pipelines' barrier and loss broadcast. False (the planner's published runs):
+        gradient and activation traffic only.
     """
 
     model: ModelSpec
@@ -79,6 +87,7 @@ class Workload:
     n_micro: int = 4
     bytes_per_element: int = 4
     recompute: str = "none"
+    control_collectives: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
@@ -186,7 +195,7 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
                                    else len(buckets)),
                       needed_by=len(chunks) - 1, name=f"bucket {i}")
                  for i, (b, k) in enumerate(zip(buckets, msgs))]
-        return chunks, comms, opt
+        return chunks, comms + _logged_loss(w, m, n, len(chunks)), opt
     units = unit_params(w)
     share = [u / sum(units) for u in units]
     if strategy in ("zero-1", "zero-2"):
@@ -199,9 +208,10 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
                       k + 1 if strategy == "zero-1" else i + 2,
                       f"reduce-scatter unit {k - 1 - i}")
                  for i, u in enumerate(reversed(units))]
+        comms += _usage_flags(w, m, n, ready_after=k)
         comms += [Comm(m.collective_s("all_gather", u * e, n), k + 1, None,
                        f"all-gather unit {j}") for j, u in enumerate(units)]
-        return chunks, comms, opt
+        return chunks, comms + _logged_loss(w, m, n, len(chunks)), opt
     # zero-3 and fsdp2: forward per unit, backward per unit in reverse, optimizer
     k = len(units)
     chunks = [fwd * s for s in share] + [bwd * s for s in reversed(share)] + [opt]
@@ -230,7 +240,33 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
                               f"reduce-scatter unit {u + 1}"))  # ours: blocking
     comms.append(Comm(m.collective_s("reduce_scatter", units[0] * e, n), 2 * k - 1,
                       2 * k, "reduce-scatter unit 0"))
-    return chunks, comms, opt
+    if not prefetch:  # ours: each unit's collective follows the ranks' agreement
+        comms = [c for comm in comms for c in _agreement(w, m, n, comm) + [comm]]
+        comms += _usage_flags(w, m, n, ready_after=2 * k - 1)
+    return chunks, comms + _logged_loss(w, m, n, len(chunks)), opt
+
+
+def _small(m: Machine, n: int, nbytes: int) -> float:
+    """Seconds of one control collective: a message of ``nbytes``, its latency."""
+    return m.collective_s("all_reduce", nbytes, n)
+
+
+def _logged_loss(w: Workload, m: Machine, n: int, n_chunks: int) -> list[Comm]:
+    """The logged loss's all-reduce after the optimizer (a float32), if counted."""
+    return [Comm(_small(m, n, 4), n_chunks - 1, None, "loss all-reduce")] \
+        if w.control_collectives else []
+
+
+def _usage_flags(w: Workload, m: Machine, n: int, ready_after: int) -> list[Comm]:
+    """ZeRO's usage flags (an int32 per tensor), all-reduced before the optimizer."""
+    return [Comm(_small(m, n, 4 * w.tensors), ready_after, ready_after + 1,
+                 "usage flags")] if w.control_collectives else []
+
+
+def _agreement(w: Workload, m: Machine, n: int, comm: Comm) -> list[Comm]:
+    """ZeRO-3's check that every rank runs ``comm`` next: two int64 per rank."""
+    return [Comm(m.collective_s("all_gather", 16 * n, n), comm.ready_after,
+                 comm.needed_by, "agreement")] if w.control_collectives else []
 
 
 def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime:
@@ -262,6 +298,9 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
         opt = w.psi / n * m.optimizer_s_per_param / _share(m, n)
         compute, comm = w.n_micro * mb, 2 * w.n_micro * send
         exposed = 2 * slots * send  # the sends on the critical path
+        if w.control_collectives:  # the barrier before, the loss broadcast after
+            control = 2 * _small(m, n, 4)
+            critical, comm, exposed = (x + control for x in (critical, comm, exposed))
         bubble = critical - compute - exposed  # idle slots (or the cores' queue)
         return StepTime(strategy, n, compute, opt, comm, exposed, max(bubble, 0.0),
                         critical + opt, overlapped=False)

@@ -41,8 +41,8 @@ def machine_at(machine: Machine, probes: Sequence[dict[str, float]],
     """``machine`` with the inputs the probes around a timed step measured.
 
     Args:
-        machine: the launch's measured machine (its collective fits, re-levelled
-            where the probes timed the collective).
+        machine: the launch's measured machine (its collective fits and curves,
+            re-levelled where the probes timed the collective).
         probes: the :func:`~dtlib.chapters.ch13_time.machine.probe_rate` results
             just before and just after a timed step (each ``flops``, ``alone_s``,
             ``all_s``, ``optimizer_s_per_param``, ``copy_s_per_byte``, and
@@ -56,7 +56,8 @@ def machine_at(machine: Machine, probes: Sequence[dict[str, float]],
         collective's alpha and beta scaled by the probes' mean seconds of one
         ``comm_bytes`` message over what the fit says for it (``send`` with the
         all-reduce): one message cannot split alpha from beta, so the fit keeps
-        its shape and takes the level measured now.
+        its shape and takes the level measured now. A collective priced by its
+        measured points (``Machine.curves``) has them scaled the same way.
 
     Taught in: Chapter 13, "Predicted against measured".
     """
@@ -65,19 +66,22 @@ def machine_at(machine: Machine, probes: Sequence[dict[str, float]],
     if len(flops) != 1:
         raise ValueError(f"probes={list(probes)!r} timed different passes "
                          f"(flops {sorted(flops)}); probe one GPT")
-    fits = dict(machine.fits)
+    fits, curves = dict(machine.fits), dict(machine.curves)
     for op in COMM_OPS:
-        if (op, world_size) in fits and all(op + "_s" in p for p in probes):
-            # the fit's shape, at the level measured now: one message re-times it
+        key = (op, world_size)
+        if (key in fits or key in curves) and all(op + "_s" in p for p in probes):
+            # the fit's (or curve's) shape, at the level measured now: one message
+            # re-times it
             nbytes = probes[0]["comm_bytes"]
             level = _mean_s(probes, op + "_s") / machine.collective_s(op, nbytes,
                                                                       world_size)
-            for key in [(op, world_size)] + ([("send", world_size)]
-                                             if op == "all_reduce" else []):
-                if key in fits:
-                    fits[key] = (fits[key][0] * level, fits[key][1] * level)
+            for k in [key] + ([("send", world_size)] if op == "all_reduce" else []):
+                if k in fits:
+                    fits[k] = (fits[k][0] * level, fits[k][1] * level)
+            if key not in fits and key in curves:
+                curves[key] = tuple((b, t * level) for b, t in curves[key])
     return dataclasses.replace(
-        machine, flops_per_s=flops.pop() / alone, fits=fits,
+        machine, flops_per_s=flops.pop() / alone, fits=fits, curves=curves,
         shared={**machine.shared, world_size: alone / together},
         optimizer_s_per_param=_mean_s(probes, "optimizer_s_per_param"),
         copy_s_per_byte=_mean_s(probes, "copy_s_per_byte"))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
 from dtlib.collectives.cost_model import fit_alpha_beta, fit_distrust
 from dtlib.models.gpt import GPTConfig, build_gpt
-from dtlib.planner.machine import Machine
+from dtlib.planner.machine import Machine, monotone
 from dtlib.planner.specs import ModelSpec
 from dtlib.runtime import dist as ddist
 
@@ -204,19 +204,29 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
     ``min(1, cores / N)``: other load and the memory bus the cores share make it
     lower than the rule, and the steps timed beside it carry the same.
 
-    A fit that :func:`fit_distrust` rejects is left out: that (op, world size) falls
-    back to the all-reduce fit of the same world size, or to the trusted fits' median.
+    A fit that :func:`fit_distrust` rejects is left out: that (op, world size) is
+    priced by its measured points instead (``Machine.curves``: one call's seconds at
+    each timed size, made non-decreasing by ``monotone``, straight lines between
+    them), which is what the ranks saw when no alpha-beta line describes them (with
+    more ranks than cores every hop waits for a rank to be scheduled, whatever the
+    message's size).
 
     Taught in: Chapter 13, "Measuring the machine".
     """
     fits: dict[tuple[str, int], tuple[float, float]] = {}
+    curves: dict[tuple[str, int], tuple[tuple[float, float], ...]] = {}
     for m in measured:
         n = m["world_size"]
         good = {op: (a, b) for op, (a, b, why) in m["fits"].items() if why is None}
         for op in m["fits"]:
-            pick = good.get(op) or good.get("all_reduce")
-            if pick is not None:
-                fits[(op, n)] = pick
+            points = tuple((float(b), float(t)) for o, b, t in m.get("points", ())
+                           if o == op)
+            if op in good:
+                fits[(op, n)] = good[op]
+            elif points:  # no line fits: the measured sizes price it
+                curves[(op, n)] = monotone(points)
+            elif "all_reduce" in good:
+                fits[(op, n)] = good["all_reduce"]
         if "all_reduce" in good:
             fits[("send", n)] = good["all_reduce"]  # one hop costs one alpha-beta
     # each rank's measured share while all compute: the slowest rank's matmul over
@@ -233,4 +243,4 @@ def machine_from(measured: list[dict[str, Any]], cores: int | None,
                        m["optimizer_s_per_param"] for m in measured),
                    copy_s_per_byte=statistics.median(
                        m.get("copy_s_per_byte", 0.0) for m in measured),
-                   cores=cores, fits=fits, shared=shared)
+                   cores=cores, fits=fits, shared=shared, curves=curves)

@@ -11,6 +11,7 @@ Taught in: Chapter 13, "Predicted against measured".
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -23,10 +24,13 @@ from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.planner.specs import ModelSpec
 from dtlib.runtime import dist as ddist
 
-__all__ = ["COMM_PROBE_BYTES", "Probe", "probe_rate"]
+__all__ = ["COMM_PROBE_BYTES", "COMM_PROBE_CALLS", "Probe", "probe_rate"]
 
 #: The message each probe times every collective on (between a unit and a bucket).
 COMM_PROBE_BYTES = 2**20
+#: Calls of each collective per probe, the median kept: with more ranks than cores
+#: one call's time swings several-fold with when its peers are scheduled.
+COMM_PROBE_CALLS = 3
 
 
 class Probe:
@@ -86,8 +90,8 @@ def probe_rate(probe: Probe) -> dict[str, float]:
     Rank 0 alone, while the others wait, times one forward and backward (the
     model's ``flops_per_s``), an AdamW step and a copy; then every rank times one
     forward and backward at once and the slowest counts (each rank's rate while all
-    compute: ``Machine.shared``); then one call of each collective on
-    ``comm_bytes`` (the slowest rank's).
+    compute: ``Machine.shared``); then each collective on ``comm_bytes``, the
+    median of :data:`COMM_PROBE_CALLS` calls (each the slowest rank's).
 
     Returns:
         ``{"flops": the pass's FLOPs, "alone_s", "all_s": the slowest rank's
@@ -109,7 +113,10 @@ def probe_rate(probe: Probe) -> dict[str, float]:
            "optimizer_s_per_param": float(alone[1]),
            "copy_s_per_byte": float(alone[2]),
            "comm_bytes": probe.x.numel() * probe.x.element_size()}
-    for op, call in probe.comms.items():  # as _time_collective times one call
-        dist.barrier()
-        got[op + "_s"] = slowest(probe._timed(call))
+    for op, call in probe.comms.items():  # as _time_collective times its calls
+        times = []
+        for _ in range(COMM_PROBE_CALLS):
+            dist.barrier()
+            times.append(slowest(probe._timed(call)))
+        got[op + "_s"] = statistics.median(times)
     return got

@@ -136,12 +136,15 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
 
 def workload_of(cfg: GPTConfig, record: dict[str, Any], global_batch: int = 8
                 ) -> Workload:
-    """The model's :class:`Workload` of one :func:`time_strategies` record."""
+    """The model's :class:`Workload` of one :func:`time_strategies` record, with
+    the small collectives the book's loop and techniques issue counted
+    (``Workload.control_collectives``): the timed step runs them."""
     spec = ModelSpec(n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
                      vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     return Workload(spec, global_batch, n_params=record["n_params"],
                     n_tensors=record["n_tensors"],
-                    bucket_cap_bytes=BUCKET_CAP_MB * 2**20, n_micro=N_MICRO)
+                    bucket_cap_bytes=BUCKET_CAP_MB * 2**20, n_micro=N_MICRO,
+                    control_collectives=True)  # run_steps' and ZeRO's own, counted
 
 
 def compare(records: list[dict[str, Any]], machine: Machine,
