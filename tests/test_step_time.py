@@ -232,6 +232,33 @@ def test_control_collectives_are_counted_where_the_book_issues_them():
                      - predict(name, plain, gpu, 4).exposed_s, ar)
 
 
+def test_a_strategys_machinery_is_charged_as_compute_at_its_measured_seconds():
+    w = Workload(MODEL, global_batch=8)
+    base = machine(cores=2)  # 4 ranks on 2 cores: the layers on half a core each
+    busy = machine(cores=2, overhead_s={"fsdp2": 0.01, "ddp/overlapped": 0.002})
+    for name, seconds in (("fsdp2", 0.01), ("ddp/overlapped", 0.002)):
+        a, b = predict(name, w, base, 4), predict(name, w, busy, 4)
+        assert close(b.total_s - a.total_s, seconds), name
+        assert close(b.compute_s - a.compute_s, seconds), name
+        assert b.optimizer_s == a.optimizer_s and b.comm_s == a.comm_s
+    for name in ("zero-3", "tp", "1f1b"):  # not measured: nothing charged
+        assert predict(name, w, busy, 4) == predict(name, w, base, 4)
+    with pytest.raises(ValueError, match="overhead_s"):
+        machine(overhead_s={"fsdp2": -1.0})
+
+
+def test_machinery_is_measured_on_one_rank_for_data_parallel_strategies_only():
+    from dtlib.chapters.ch13_time.runs import measure_overheads
+    from dtlib.models.gpt import GPTConfig
+    from dtlib.runtime import launch
+
+    got = launch.spawn(measure_overheads, 1, ("ddp/bucketed", "fsdp2", "tp"),
+                       GPTConfig(**TRACE_GPT), rows=2, steps=1, rounds=1,
+                       timeout=120, stream=False)[0]
+    assert set(got) == {"ddp/bucketed", "fsdp2"}  # a TP plan needs its peers
+    assert all(isinstance(v, float) and v >= 0 for v in got.values())
+
+
 def test_a_collective_no_line_fits_is_priced_by_its_measured_points():
     from dtlib.planner.machine import curve_s, monotone
 

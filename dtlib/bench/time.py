@@ -9,7 +9,8 @@ The compute rate drifts on a shared or virtual machine, so the launch probes it 
 every step (the GPT's own forward and backward, rank 0 alone and every rank at once,
 AdamW's step, a copy, each collective on one message: the median of three calls), and
 the pure step-time model prices each timed step with the probes just before and after
-it, counting the small collectives the book's loop and ZeRO issue. The
+it, counting the small collectives the book's loop and ZeRO issue and what each
+data-parallel strategy's machinery costs on a one-rank world, where no byte moves. The
 launch goes through the strategies ``--rounds`` times; a row is one strategy and world
 size: the median ratio measured / predicted over the rounds, its lowest and highest (the
 spread), and the largest drift of the probes around its steps. Goal: every ratio within
@@ -21,12 +22,14 @@ Taught in: Chapter 13, "Predicted against measured".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
 from dtlib.chapters.ch13_time.drift import summarize
 from dtlib.chapters.ch13_time.runs import (BAND, TIME_GPT, compare, machine_from,
-                                           measure_machine, time_strategies)
+                                           measure_machine, measure_overheads,
+                                           time_strategies)
 from dtlib.planner.step_time import STRATEGIES
 from dtlib.runtime import launch
 
@@ -58,10 +61,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.steps < 1 or args.rounds < 1 or any(n < 2 for n in args.world_sizes):
         raise ValueError(f"--steps={args.steps} and --rounds={args.rounds} must be "
                          f">= 1 and --world-sizes {args.world_sizes} each >= 2")
+    # what each data-parallel strategy's machinery costs where no byte moves
+    overheads = launch.spawn(measure_overheads, 1, tuple(args.strategies),
+                             rounds=args.rounds, timeout=args.timeout,
+                             stream=False)[0]
     runs = [launch.spawn(measure_and_time, n, tuple(args.strategies), args.steps,
                          args.rounds, True, timeout=args.timeout, stream=False)[0]
             for n in args.world_sizes]
-    machine = machine_from([r["machine"] for r in runs], cores=os.cpu_count())
+    machine = dataclasses.replace(
+        machine_from([r["machine"] for r in runs], cores=os.cpu_count()),
+        overhead_s=overheads)
+    print("machinery per step on one rank (ms): " + ", ".join(
+        f"{k} {v * 1e3:.1f}" for k, v in overheads.items()))
     rows = compare([s for r in runs for s in r["steps"]], machine)
     records = summarize(rows, BAND)
     for r in records:

@@ -53,6 +53,11 @@ class Machine:
         collective whose time does not grow with its size, as when ranks outnumber
         cores and each hop waits for a rank to be scheduled). A fit of the same key
         wins.
+    overhead_s: per strategy, the seconds its machinery adds to one rank's step
+        where no byte moves (hooks, the tensors it builds, its Python): measured
+        on a one-rank world as the strategy's step minus the plain step, and
+        charged as compute at those seconds (it runs between collectives, while
+        other ranks wait in them, not queued behind their layers). Absent: 0.
     """
 
     name: str
@@ -66,6 +71,7 @@ class Machine:
     shared: dict[int, float] = field(default_factory=dict)
     curves: dict[tuple[str, int], tuple[tuple[float, float], ...]] = field(
         default_factory=dict)
+    overhead_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "alpha_s", "beta_s_per_byte",
@@ -84,6 +90,11 @@ class Machine:
                     or not isinstance(ranks, int) or ranks < 1:
                 raise ValueError(f"shared={self.shared!r}: each entry must map a "
                                  "rank count >= 1 to a measured fraction > 0")
+        for strategy, seconds in self.overhead_s.items():
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                    or not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"overhead_s[{strategy!r}]={seconds!r} must be a "
+                                 "finite number of seconds >= 0")
         for key, points in self.curves.items():
             if not points or any(not (math.isfinite(b) and math.isfinite(t)
                                        and b > 0 and t > 0) for b, t in points) \

@@ -126,7 +126,8 @@ class StepTime:
     """A predicted step, in seconds.
 
     compute_s: forward and backward (the pipelines: the busiest stage, bubble
-        excluded; FSDP2: with the copies into and out of its collective buffers);
+        excluded; FSDP2: with the copies into and out of its collective buffers),
+        and the strategy's machinery where measured (``Machine.overhead_s``);
     optimizer_s: the optimizer step; comm_s: every collective's time;
     exposed_s: the communication (and waiting) that adds to the step; bubble_s: the
         pipeline's idle slots; total_s: the step.
@@ -185,11 +186,17 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
     e = w.bytes_per_element
     opt_params = w.psi if strategy.startswith("ddp") else w.psi / n
     opt = opt_params * m.optimizer_s_per_param / _share(m, n)
+    # the strategy's own machinery (measured on one rank, where no byte moves), on
+    # the compute stream with the optimizer: the last chunk, counted as compute. Not
+    # slowed by the share: it runs between collectives, while other ranks wait in
+    # them (charged on the share, our ZeRO-1/2/3 on 4 ranks of 2 cores came out
+    # 0.70-0.75 of their predictions in the benchmark)
+    machinery = m.overhead_s.get(strategy, 0.0)
     if strategy.startswith("ddp"):
         buckets = [w.psi * e] if strategy == "ddp/naive" else bucket_bytes(w)
         msgs = [w.tensors] if strategy == "ddp/naive" else [1] * len(buckets)
         total = sum(buckets)
-        chunks = [fwd] + [bwd * b / total for b in buckets] + [opt]
+        chunks = [fwd] + [bwd * b / total for b in buckets] + [opt + machinery]
         comms = [Comm(m.collective_s("all_reduce", b, n, k),
                       ready_after=(i + 1 if strategy == "ddp/overlapped"
                                    else len(buckets)),
@@ -199,7 +206,7 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
     units = unit_params(w)
     share = [u / sum(units) for u in units]
     if strategy in ("zero-1", "zero-2"):
-        chunks = [fwd] + [bwd * s for s in reversed(share)] + [opt]
+        chunks = [fwd] + [bwd * s for s in reversed(share)] + [opt + machinery]
         # zero-1 reduce-scatters in step(); zero-2 in the hook, which waits for it
         # before the backward goes on (ours block: the next chunk needs it)
         k = len(units)
@@ -224,6 +231,7 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
                   + [c + (2 + 1 / n) * cp for c, cp in zip(chunks[k:2 * k],
                                                            reversed(copy))]
                   + [opt])
+    chunks[-1] += machinery
     comms = []
     for u in range(k):  # forward: gather unit u before its chunk u
         ready = u - 2 if prefetch and u >= 1 else u - 1  # fsdp2: as unit u-1 starts

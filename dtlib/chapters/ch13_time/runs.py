@@ -31,9 +31,9 @@ from dtlib.planner.machine import Machine
 from dtlib.planner.step_time import Workload, predict
 from dtlib.runtime import dist as ddist
 
-__all__ = ["TIME_GPT", "BUCKET_CAP_MB", "BAND", "FACTORIES", "measure_machine",
-           "time_strategies", "profile_step", "machine_from", "workload_of", "compare",
-           "chapter_run"]
+__all__ = ["TIME_GPT", "BUCKET_CAP_MB", "BAND", "FACTORIES", "DATA_PARALLEL",
+           "measure_machine", "measure_overheads", "time_strategies", "profile_step",
+           "machine_from", "workload_of", "compare", "chapter_run"]
 
 #: The GPT every strategy trains here: 4 blocks (2 and 4 stages), 8 heads (tp 2, 4),
 #: ~3M parameters, so that communication and compute are both visible.
@@ -132,6 +132,46 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
                 rec.update(step_times_s=times, probes=last[warmup:])
             out.append(rec)
     return out
+
+
+#: The strategies whose machinery runs on a one-rank world as on N ranks, less the
+#: bytes (a pipeline or a TP plan needs its peers): :func:`measure_overheads`.
+DATA_PARALLEL = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
+                 "zero-3", "fsdp2")
+
+
+def measure_overheads(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
+                      rows: int = 4, steps: int = 4, rounds: int = 3
+                      ) -> dict[str, float]:
+    """On a one-rank world: what each data-parallel strategy's machinery adds to a
+    step where no byte moves (``Machine.overhead_s``).
+
+    For each strategy of ``strategies`` in :data:`DATA_PARALLEL` (the others are
+    skipped), ``rounds`` times: the plain step (``Parallelism()``, the identity) and
+    the strategy's step, each the median of ``steps`` timed steps after a warm-up,
+    on the same ``rows`` sequences; the strategy's figure is the median over the
+    rounds of its step minus the plain step just before it, at least 0.
+
+    Taught in: Chapter 13, "Predicted against measured".
+    """
+    if dist.get_world_size() != 1:
+        raise ValueError(f"world size {dist.get_world_size()}: the machinery is "
+                         "measured on a one-rank world, where no byte moves")
+    device = ddist.world().device
+
+    def step_s(par: Parallelism) -> float:
+        run = run_steps(par, build_gpt(cfg, seed=0).to(device),
+                        gpt_batches(cfg, rows, device), 1 + steps,
+                        record_grads=False, record_params=False)
+        return statistics.median(run.step_times[1:])
+
+    out: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name in strategies:
+            if name in DATA_PARALLEL:
+                plain = step_s(Parallelism())
+                out.setdefault(name, []).append(step_s(FACTORIES[name]()) - plain)
+    return {name: max(0.0, statistics.median(d)) for name, d in out.items()}
 
 
 def workload_of(cfg: GPTConfig, record: dict[str, Any], global_batch: int = 8
