@@ -12,6 +12,11 @@ import psutil
 import pytest
 
 _NOTEBOOK_SECONDS: dict[str, float] = collections.defaultdict(float)
+#: Seconds per test file (set-up, call and tear-down of its tests): the suite's budget
+#: is spent file by file, and a file runs whole on one worker.
+_FILE_SECONDS: dict[str, float] = collections.defaultdict(float)
+#: Files under this many seconds are summed in one line of the summary.
+FILE_SUMMARY_MIN_S = 10.0
 
 
 # Every launch from this test session (and from subprocesses it starts) carries this
@@ -89,6 +94,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config,
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] += report.duration
     if path.endswith(".ipynb"):
         _NOTEBOOK_SECONDS[path] += report.duration
 
@@ -110,6 +116,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config) -> None:
         for path, seconds in sorted(_NOTEBOOK_SECONDS.items()):
             flag = "" if seconds <= 90 else "   <-- over budget"
             terminalreporter.write_line(f"{seconds:7.1f} s  {path}{flag}")
+    if _FILE_SECONDS and not WORKER:
+        terminalreporter.section("seconds per file (all workers)")
+        rest = [t for t in _FILE_SECONDS.values() if t < FILE_SUMMARY_MIN_S]
+        for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+            if seconds >= FILE_SUMMARY_MIN_S:
+                terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
+        if rest:
+            terminalreporter.write_line(f"{sum(rest):7.1f} s  the other {len(rest)} "
+                                        f"files, each under {FILE_SUMMARY_MIN_S:.0f} s")
     leftovers = getattr(config, "_dtlib_leftovers", None)
     if leftovers:
         terminalreporter.section("processes left behind (killed; the run fails)")
