@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from conftest import launched_processes
 from dtlib.runtime import launch
+from dtlib.runtime.supervise import kill_tree
 
 WAIT_FOR_DEATH = """
     import os, signal, sys, time, torch, torch.distributed as dist
@@ -122,8 +123,10 @@ def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers)
         proc.send_signal(signal.SIGINT)  # what Jupyter's stop button sends the kernel
         out, _ = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the driver never finished: end it, its torchrun
+            # agent and the ranks (their own session), so that this failure does not
+            # leave processes that the next tests' leftover checks would count
+            kill_tree([proc.pid] + [p.pid for p in launched_processes(hang)])
     assert "interrupted" in out
     # Before ending the ranks, the launcher says where each one was.
     assert "Interrupted. Where each rank was:" in out
