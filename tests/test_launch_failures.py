@@ -76,8 +76,14 @@ def test_spawn_names_a_killed_rank(no_leftovers) -> None:
 
 
 INTERRUPTED = """
-    import sys, time
+    import signal, sys, time
     from dtlib.runtime import launch
+    # What this process started with (a test worker may hand its children SIGINT
+    # ignored or blocked; a Jupyter kernel has Python's own handler), then that handler.
+    print("sigint at start:", signal.getsignal(signal.SIGINT),
+          signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch.torchrun({hang!r}, nproc=2, timeout=300, stream=False)
     except KeyboardInterrupt:
@@ -121,7 +127,13 @@ def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers)
             time.sleep(0.2)  # until both ranks have joined and reached the sleep
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)  # what Jupyter's stop button sends the kernel
-        out, _ = proc.communicate(timeout=90)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            kill_tree([proc.pid] + [p.pid for p in launched_processes(hang)])
+            out, _ = proc.communicate()
+            pytest.fail("the driver did not finish within 90 s of SIGINT; it printed:\n"
+                        + out)
     finally:
         if proc.poll() is None:  # the driver never finished: end it, its torchrun
             # agent and the ranks (their own session), so that this failure does not
