@@ -29,7 +29,7 @@ from dtlib.planner.machine import Machine, monotone
 from dtlib.planner.specs import ModelSpec
 from dtlib.runtime import dist as ddist
 
-__all__ = ["GEMM", "slowest", "measure_machine", "machine_from"]
+__all__ = ["GEMM", "slowest", "median_call_s", "measure_machine", "machine_from"]
 
 #: The matmul the FLOP/s is timed on: a block's MLP on 256 tokens of width 256.
 GEMM = (256, 256, 1024)
@@ -120,6 +120,12 @@ def _time_collective(op: str, nbytes: int, repeats: int) -> float:
             "reduce_scatter": lambda: reduce_scatter_into(out, x),
             "all_gather": lambda: all_gather_into(x, out)}[op]
     call()
+    return median_call_s(call, repeats)
+
+
+def median_call_s(call: Any, repeats: int) -> float:
+    """On every rank: ``repeats`` calls of the collective ``call``, each after a
+    barrier and timed on the slowest rank; their median, in seconds."""
     times = []
     for _ in range(repeats):
         dist.barrier()

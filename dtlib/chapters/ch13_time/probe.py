@@ -11,14 +11,13 @@ Taught in: Chapter 13, "Predicted against measured".
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dtlib.chapters.ch13_time.machine import slowest
+from dtlib.chapters.ch13_time.machine import median_call_s, slowest
 from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.planner.specs import ModelSpec
@@ -113,10 +112,6 @@ def probe_rate(probe: Probe) -> dict[str, float]:
            "optimizer_s_per_param": float(alone[1]),
            "copy_s_per_byte": float(alone[2]),
            "comm_bytes": probe.x.numel() * probe.x.element_size()}
-    for op, call in probe.comms.items():  # as _time_collective times its calls
-        times = []
-        for _ in range(COMM_PROBE_CALLS):
-            dist.barrier()
-            times.append(slowest(probe._timed(call)))
-        got[op + "_s"] = statistics.median(times)
+    for op, call in probe.comms.items():  # as measure_machine times its sizes
+        got[op + "_s"] = median_call_s(call, COMM_PROBE_CALLS)
     return got
