@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import launched_processes
-from dtlib.runtime import launch
+from dtlib.runtime import launch, supervise
 from dtlib.runtime.supervise import kill_tree
 
 WAIT_FOR_DEATH = """
@@ -73,6 +73,40 @@ def test_spawn_names_a_killed_rank(no_leftovers) -> None:
     assert time.monotonic() - start < 10
     assert info.value.rank == 1
     assert "killed by SIGKILL" in str(info.value)
+
+
+OWN_INIT_DEADLOCK = """
+    import time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")  # torch's own, not dtlib.runtime.dist.init
+    if dist.get_rank() == 0:
+        dist.recv(torch.empty(1), src=1)  # rank 1 never sends
+    else:
+        time.sleep(600)
+"""
+
+
+def test_torchrun_timeout_counts_from_torchs_own_init(tmp_path, no_leftovers) -> None:
+    """A script that joins through ``torch.distributed.init_process_group`` gets the
+    same clock as one that calls ``dtlib.runtime.dist.init``: the timeout counts from
+    the moment every rank has joined, not from ``STARTUP_S`` of start-up."""
+    timeout = 8
+    script = _script(tmp_path, OWN_INIT_DEADLOCK)
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchTimeout) as info:
+        launch.torchrun(script, nproc=2, timeout=timeout, stream=False)
+    elapsed = time.monotonic() - start
+    startup_s = info.value.startup_s
+    assert startup_s is not None, "the ranks' own init_process_group went unnoticed"
+    assert f"{timeout} s after every rank had joined the world" in str(info.value)
+    # After the join the launch runs the timeout, then at most one poll of the
+    # launcher (0.02 s), the stack report (collect_stacks waits up to 2 s, then 0.1 s
+    # for a dump to finish) and kill_tree's reap (up to 5 s): 7.12 s, 7.5 with
+    # scheduling. Waiting for STARTUP_S instead would overshoot by about 60 s.
+    assert timeout <= elapsed - startup_s < timeout + 7.5, (elapsed, startup_s)
+    assert startup_s < supervise.STARTUP_S
+    report = info.value.report
+    assert report[0].startswith("rank 0: in recv at script.py line 5"), report
+    assert report[1].startswith("rank 1: at script.py line 7: time.sleep(600)"), report
 
 
 INTERRUPTED = """

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib.runtime import worker
+
 BACKENDS = ("gloo", "nccl")
 #: Seconds a collective may wait for its peers before the group raises. Long enough for
 #: a slow first NCCL communicator, short enough that a deadlock becomes an error.
@@ -254,8 +256,7 @@ def _note_joined(rank: int) -> None:
     # init() is the join its timeout counts from (the mark is "group" until then).
     mark = os.environ.get("DTLIB_JOINED_MARK", "joined")
     if log_dir and os.path.isdir(log_dir):
-        with open(os.path.join(log_dir, f"rank{rank}.{mark}"), "w") as f:
-            f.write("joined\n")
+        worker.note_joined(log_dir, rank, mark)  # once, if the worker has not yet
 
 
 def sync(device: torch.device | str | None = None) -> None:

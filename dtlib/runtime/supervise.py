@@ -64,12 +64,18 @@ class CollectiveMismatch(LaunchError):
 
 
 class LaunchTimeout(LaunchError):
-    """The launch ran past its timeout; ``report`` says where each rank was."""
+    """The launch ran past its timeout; ``report`` says where each rank was.
+
+    ``startup_s`` is how long the ranks took from the launch until every one had
+    joined the world (the moment the timeout counts from), None if some never did.
+    """
 
     def __init__(self, message: str, report: list[str],
-                 outputs: dict[int, str] | None = None) -> None:
+                 outputs: dict[int, str] | None = None,
+                 startup_s: float | None = None) -> None:
         super().__init__(message, None, outputs)
         self.report = report
+        self.startup_s = startup_s
 
 
 @dataclass
@@ -107,11 +113,12 @@ class Supervisor:
         """Whether the launch has run out of time.
 
         The ``timeout`` seconds count from the moment every rank has joined the world
-        (``dtlib.runtime.dist.init`` writes ``rank{k}.joined``): how long a rank takes
-        to import torch and meet its peers depends on the machine and its load, and
-        must not eat into the time a reader gives a collective. Start-up itself gets
-        up to ``STARTUP_S`` more; a script that never calls ``dist.init`` therefore
-        has ``STARTUP_S + timeout`` in all.
+        (each writes ``rank{k}.joined``: ``dtlib.runtime.dist.init`` does, and so does
+        the worker once it sees a group made by torch's own ``init_process_group``):
+        how long a rank takes to import torch and meet its peers depends on the
+        machine and its load, and must not eat into the time a reader gives a
+        collective. Start-up itself gets up to ``STARTUP_S`` more; a script that never
+        joins a process group therefore has ``STARTUP_S + timeout`` in all.
         """
         now = time.monotonic()
         if self.joined_at is None and all(
@@ -259,7 +266,8 @@ class Supervisor:
         msg = (f"launch timed out {timeout:g} s {when}; the ranks were stopped.\n"
                "Where each rank was:\n  " + "\n  ".join(report) + "\n"
                + (mismatch + "\n" if mismatch else "") + diagnose.HANG_HINT)
-        return LaunchTimeout(msg, report, self.texts())
+        startup_s = None if self.joined_at is None else self.joined_at - self.start
+        return LaunchTimeout(msg, report, self.texts(), startup_s)
 
     def failure(self, rank: int | None, cause: str) -> LaunchError:
         texts = self.texts()

@@ -20,13 +20,16 @@
 - sends back the script's top-level ``result`` variable, if any (``rank{k}.result``);
 - records a normal finish (``rank{k}.done``), so a rank that exited 0 while its peers
   still waited in a collective is reported as "finished", never as "died";
-- and ``dtlib.runtime.dist.init`` notes when the rank has joined the world
-  (``rank{k}.joined``): a launch's timeout counts from the moment every rank has
-  joined, so start-up (importing torch, the rendezvous) never eats into it.
+- and notes when the rank has joined the world (``rank{k}.joined``): a launch's
+  timeout counts from the moment every rank has joined, so start-up (importing torch,
+  the rendezvous) never eats into it. ``dtlib.runtime.dist.init`` writes the note; a
+  script that builds its group with torch's own ``init_process_group`` gets it from
+  a thread that watches for the group (:func:`_note_group_join`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -90,6 +93,54 @@ def _exit_with_launcher(log_dir: str) -> None:
     threading.Thread(target=watch, daemon=True, name="dtlib-launcher-watch").start()
 
 
+def note_joined(log_dir: str, rank: int, mark: str = "joined") -> None:
+    """Write ``rank{k}.{mark}`` in ``log_dir`` unless it is there already.
+
+    The file's existence is the signal (``Supervisor.past_deadline``); creating it
+    with ``O_EXCL`` makes it appear in one step and only once, however many callers
+    (``dist.init`` and the group watch of :func:`_note_group_join`) get here.
+    """
+    try:
+        fd = os.open(os.path.join(log_dir, f"rank{rank}.{mark}"),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write("joined\n")
+
+
+#: Seconds between two looks for a process group made by the script itself.
+_GROUP_POLL_S = 0.05
+
+
+def _note_group_join(log_dir: str, rank: int) -> None:
+    """Note the join of a script that calls torch's own ``init_process_group``.
+
+    A thread looks every ``_GROUP_POLL_S`` for a default process group and writes the
+    join note once there is one, so the launch's timeout counts from the join however
+    the script joined. It never imports torch itself (only looks whether the script
+    has), so a rank's start-up costs what the script's own imports cost.
+    """
+    mark = os.environ.get("DTLIB_JOINED_MARK", "joined")
+    noted = os.path.join(log_dir, f"rank{rank}.{mark}")
+
+    def watch() -> None:
+        while not os.path.exists(noted):  # dist.init may note it first
+            tdist = sys.modules.get("torch.distributed")
+            is_initialized = getattr(tdist, "is_initialized", None)
+            try:
+                joined = is_initialized is not None and is_initialized()
+            except Exception:  # torch.distributed still half imported
+                joined = False
+            if joined:
+                with contextlib.suppress(OSError):  # the launch may be over already
+                    note_joined(log_dir, rank, mark)
+                return
+            time.sleep(_GROUP_POLL_S)
+
+    threading.Thread(target=watch, daemon=True, name="dtlib-group-watch").start()
+
+
 _LAUNCHER_FILES = {__file__, os.path.join(os.path.dirname(__file__), "launch.py")}
 
 
@@ -141,6 +192,7 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if log_dir:
         prepare(log_dir, rank)
+        _note_group_join(log_dir, rank)
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
