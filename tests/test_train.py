@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib.checkpoint.state import list_checkpoints
 from dtlib.models.init import storage_bytes
 from dtlib.models.run import Parallelism, tensors_by_name, unwrap
 from dtlib.runtime import dist as ddist
@@ -47,9 +46,9 @@ from dtlib.train import job as train_job
 from dtlib.memory.recompute import RECOMPUTE_MODES
 from dtlib.models.gpt import ATTENTION
 from dtlib.train import config as config_module
-from dtlib.train.async_save import cpu_copy
 from dtlib.train.config import STRATEGY_NAMES, TrainConfig, parse_args
 from dtlib.train.faults import Preemption
+from dtlib.train.identity import step_dirs
 from dtlib.train.job import DoesNotFit, check_memory, lr_lambda, prepare_model
 from dtlib.train.loop import main, train
 from dtlib.train.model import build_model, unit_params
@@ -288,21 +287,16 @@ def loaded_state(argv: list[str], saved: str) -> dict:
 
     job = train_job.build_job(parse_args(argv), world())
     step = resume(job)
-    if job.strategy.sharded_checkpoint:
-        msd, osd = get_state_dict(job.model, job.optimizer, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))  # a collective
-        loaded = _flat({"model": msd, "optim": osd})
-        if dist.get_rank() == 0:
-            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    msd, osd = get_state_dict(job.model, job.optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))  # a collective under FSDP2
+    loaded = _flat({"model": msd, "optim": osd})
+    if dist.get_rank() == 0:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-            whole = os.path.join(os.path.dirname(saved), "whole.pt")
-            dcp_to_torch_save(saved, whole)
-            ref = _flat(torch.load(whole, weights_only=False))
-    else:
-        loaded = _flat({"model": unwrap(job.model).state_dict(),
-                        "optimizer": job.optimizer.state_dict()["state"]})
-        state = torch.load(saved, weights_only=True)
-        ref = _flat({"model": state["model"], "optimizer": state["optimizer"]["state"]})
+        whole = os.path.join(os.path.dirname(saved), f"whole-{os.getpid()}.pt")
+        dcp_to_torch_save(saved, whole)
+        ref = _flat(torch.load(whole, weights_only=False))
+        os.remove(whole)  # not a file of the checkpoint directory
     if dist.get_rank() != 0:
         return {}
     return {"step": step, "n": len(ref), "same_keys": sorted(loaded) == sorted(ref),
@@ -384,19 +378,29 @@ def two(tmp_path_factory):
 #: The resume-elsewhere runs: global batch 4 on 2 ranks (micro-batch 2) and on 4
 #: (micro-batch 1), SGD (the module docstring), by strategy.
 ELSEWHERE = {"ddp": SGD, "fsdp": ["--strategy", "fsdp", *SGD]}
+#: (the strategy that saved, the one that resumes): the same, and switched (one
+#: checkpoint format for every strategy).
+SWITCHES = (("ddp", "ddp"), ("fsdp", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp"))
+
+
+def switch_name(saver: str, resumer: str) -> str:
+    """``ddp`` for a DDP checkpoint resumed by DDP, ``ddp_to_fsdp`` for a switch."""
+    return saver if saver == resumer else f"{saver}_to_{resumer}"
 
 
 def elsewhere_plan(saved: dict, tmp: str, ranks: int) -> list:
     """Each strategy's checkpoint of the other world size, cut back to step 6 (a
-    run stopped there): its loaded state read, then the run continued to 8."""
+    run stopped there), resumed by the same strategy and by the other one: its
+    loaded state read, then the run continued to 8."""
     micro = ["--micro-batch", str(4 // ranks)]
     plan = []
-    for name, flags in ELSEWHERE.items():
+    for saver, resumer in SWITCHES:
+        name = switch_name(saver, resumer)
         ckpt = os.path.join(tmp, f"{name}_from_other")
-        step6 = os.path.join(ckpt, "step00000006" + ("" if name == "fsdp" else ".pt"))
-        argv = [*flags, *micro, "--ckpt-dir", ckpt]
-        plan += [functools.partial(_keep_until, saved[name], ckpt, 6),
-                 Everywhere(f"{name}_loaded", loaded_state, argv, step6),
+        argv = [*ELSEWHERE[resumer], *micro, "--ckpt-dir", ckpt]
+        plan += [functools.partial(_keep_until, saved[saver], ckpt, 6),
+                 Everywhere(f"{name}_loaded", loaded_state, argv,
+                            os.path.join(ckpt, "step00000006")),
                  (f"{name}_elsewhere", argv, False)]
     return plan
 
@@ -506,8 +510,9 @@ def test_without_tensorboard_the_run_says_one_line_and_continues(tmp_path,
     said = [line for line in capsys.readouterr().out.splitlines()
             if "tensorboard" in line]
     assert len(said) == 1 and "not installed" in said[0], said
-    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] \
-        == [1, 2, 3]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert "run" in records[0] and records[0]["start_step"] == 0  # whose log it is
+    assert [r["step"] for r in records[1:]] == [1, 2, 3]
     assert not (tmp_path / "tb").exists()
 
 
@@ -541,8 +546,9 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resume_is_bit_exact(two):
     assert "SIGTERM received: saved step 4" in sig["text"]
     assert resumed["start_step"] == 4 and resumed["preempted"] is None
     assert resumed["param_sha256"] == two["ddp"]["param_sha256"]
-    assert [s for s, _ in list_checkpoints(two["sig_ckpt"])] == [8]
-    assert "none saved yet): starting from step 0" in two["ddp_crash"]["text"]
+    assert [os.path.basename(p) for p in step_dirs(two["sig_ckpt"])] == ["step00000008"]
+    assert "no checkpoint in" in two["ddp_crash"]["text"]
+    assert "yet: starting from step 0" in two["ddp_crash"]["text"]
 
 
 @pytest.mark.timeout(1200)
@@ -568,8 +574,7 @@ def test_fsdp_crash_and_resume_is_bit_exact(two):
 @pytest.mark.timeout(1200)
 def test_async_saves_resume_as_sync_saves_and_a_torn_one_is_never_loaded(two):
     """--async-save: the checkpoints written in the background resume to the
-    digest of the synchronous ones (FSDP2 through ``dcp.async_save``, DDP through a
-    staged CPU copy). The step-6 save caught in flight (its directory copied while
+    digest of the synchronous ones (``dcp.async_save``, FSDP2 and DDP alike). The step-6 save caught in flight (its directory copied while
     rank 0's writer was held before ``.metadata``) is a ``.tmp`` directory that the
     resume does not list: it starts from step 3 and still ends bit-identical."""
     fsdp, crash = two["fsdp"], two["fsdp_async_crash"]
@@ -603,18 +608,20 @@ def test_fp16_crash_and_resume_is_bit_exact(two):
 
 
 @pytest.mark.timeout(1200)
-def test_fsdp_resume_survives_damage_and_refuses_another_tp(two, four):
+def test_fsdp_resume_survives_damage_and_refuses_another_tp(two, four, capsys):
     """Step 6's shard file truncated (a full disk): the resume warns, falls back to
-    step 3, says so, and ends where the uninterrupted run does. Resuming tp 2's
-    shards with tp 1 is refused in one line naming both (the qkv rows are stored
-    in tp 2's interleaved order)."""
+    step 3 of the same run, says so, and ends where the uninterrupted run does.
+    Resuming tp 2's shards with tp 1 is refused (exit 2) in one line naming both
+    (the qkv rows are stored in tp 2's interleaved order)."""
     resumed = two["fsdp_fallback"]
     assert resumed["start_step"] == 3, resumed["text"]
     assert any("falling back" in w for w in resumed["warnings"]), resumed["warnings"]
     assert "resumed from" in resumed["text"], resumed["text"]
     assert resumed["param_sha256"] == two["fsdp"]["param_sha256"]
-    with pytest.raises(ValueError, match="saved with --tp 2; this job has --tp 1"):
+    with pytest.raises(SystemExit) as stop:
         main([*BASE, "--strategy", "fsdp", "--ckpt-dir", four["tp_ckpt"]])
+    assert stop.value.code == 2
+    assert "was written with --tp 2; this run has --tp 1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(1200)
@@ -714,29 +721,37 @@ def test_check_memory_models_the_start_up_peak():
 # ---- resume on another world size ----------------------------------------------------
 
 @pytest.mark.timeout(1200)
-def test_resume_on_another_world_size_reshards_and_continues(two, four, back):
-    """2-rank checkpoints (step 6) resumed on 4 ranks, 4-rank ones on 2, for DDP and
-    FSDP2, with the same global batch (4: micro-batch 2 x 2 ranks, 1 x 4). The
-    state loaded equals the state saved, tensor by tensor, bit for bit (DCP
-    reshards FSDP2's shards; DDP's replica is rank 0's file); the data position is
-    the global samples consumed; the generators are reseeded from (seed, step,
-    rank). Steps 7 and 8 then equal the uninterrupted run at the new world size
-    within rtol(step): the two differ only in the order of float32 sums in every
-    step (another world size), the derivation of loss_rtol above."""
-    for new, straight, saver in ((four, four, two), (back, two, four)):
-        for name in ELSEWHERE:
+def test_resume_on_another_world_size_and_strategy_continues(two, four, back):
+    """2-rank checkpoints (step 6) resumed on 4 ranks, 4-rank ones on 2, with the
+    same global batch (4: micro-batch 2 x 2 ranks, 1 x 4), by the strategy that
+    saved them and by the other one (DDP -> FSDP2 and FSDP2 -> DDP: one format).
+    The state loaded equals the state saved, tensor by tensor, bit for bit (DCP
+    reads each rank's shard, or DDP's whole replica, from the saved chunks); the
+    data position is the global samples consumed; the generators are reseeded from
+    (seed, step, rank), and the run says what it did. Steps 7 and 8 then equal the
+    uninterrupted run of the resuming strategy at the new world size within
+    rtol(step): the two differ only in the order of float32 sums in every step
+    (another world size, another wrapper), the derivation of loss_rtol above."""
+    for new, straight, saver_runs in ((four, four, two), (back, two, four)):
+        for saver, resumer in SWITCHES:
+            name = switch_name(saver, resumer)
             loaded, run = new[f"{name}_loaded"], new[f"{name}_elsewhere"]
             assert loaded["step"] == 6 and loaded["same_keys"], loaded
             assert loaded["n"] > 0 and loaded["unequal"] == [], loaded
             assert run["start_step"] == 6 and run["end_step"] == STEPS, run["text"]
             assert "generators reseeded" in run["text"], run["text"]
-            ref = straight[f"{name}_sgd"]  # uninterrupted, at the new world size
+            did = "into its replica (DDP)" if resumer == "ddp" else "its new shards"
+            assert did in run["text"], run["text"]
+            if saver != resumer:
+                assert f"--strategy {saver} -> --strategy {resumer}" in run["text"]
+            ref = straight[f"{resumer}_sgd"]  # uninterrupted, at the new world size
             assert ref["world_size"] == run["world_size"] \
-                != saver[f"{name}_sgd"]["world_size"]
+                != saver_runs[f"{saver}_sgd"]["world_size"]
             for step in (7, 8):
                 torch.testing.assert_close(run["losses"][str(step)],
                                            ref["losses"][str(step)],
-                                           rtol=loss_rtol(step), atol=0)
+                                           rtol=loss_rtol(step), atol=0,
+                                           msg=lambda m, n=name: f"{n}: {m}")
             torch.testing.assert_close(run["param_norm"], ref["param_norm"],
                                        rtol=loss_rtol(STEPS), atol=0)
 
@@ -785,7 +800,7 @@ def test_sigusr1_saves_and_exits_0(tmp_path):
         stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not list_checkpoints(ckpt) and proc.poll() is None \
+        while not step_dirs(str(ckpt)) and proc.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.01)
         proc.send_signal(signal.SIGUSR1)
@@ -795,7 +810,8 @@ def test_sigusr1_saves_and_exits_0(tmp_path):
     assert proc.returncode == 0, text
     saved = re.search(r"SIGUSR1 received: saved step (\d+)", text)
     assert saved, text
-    assert list_checkpoints(ckpt)[-1][0] == int(saved.group(1)) < 2000
+    newest = os.path.basename(step_dirs(str(ckpt))[0])
+    assert newest == f"step{int(saved.group(1)):08d}" and int(saved.group(1)) < 2000
 
 
 def test_preemption_handlers_are_put_back():
@@ -893,17 +909,6 @@ def test_async_save_is_a_switch_in_flags_and_toml(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--config", str(run)])
     assert "async-save = 1 is not a bool" in capsys.readouterr().err
-
-
-def test_the_staged_copy_does_not_follow_the_live_state():
-    """What the background writer reads: a copy that the next optimizer step (an
-    in-place update) and a scheduler's list cannot change under it."""
-    live = {"w": torch.ones(3), "groups": [{"lr": [0.1]}], "step": 3}
-    staged = cpu_copy(live)
-    live["w"].add_(1)
-    live["groups"][0]["lr"].append(0.2)
-    assert torch.equal(staged["w"], torch.ones(3))
-    assert staged == {"w": staged["w"], "groups": [{"lr": [0.1]}], "step": 3}
 
 
 def test_flags_map_to_fields():

@@ -23,7 +23,6 @@ pytest.importorskip("transformers", reason="needs the .[hf] extra (transformers)
 os.environ["HF_HUB_OFFLINE"] = "1"  # any Hub access fails, here and in the ranks
 
 from dtlib.models import hf  # noqa: E402
-from dtlib.checkpoint.state import checkpoint_path  # noqa: E402
 from dtlib.runtime import launch  # noqa: E402
 from dtlib.train.config import TrainConfig  # noqa: E402
 from dtlib.train.loop import main  # noqa: E402
@@ -45,9 +44,11 @@ TERMS = 128
 
 
 def _copy_step3(src: str, dst: str) -> None:
-    """A directory holding only ``src``'s step-3 file: a crash anywhere in 4-5."""
+    """A directory holding only ``src``'s step-3 checkpoint: a crash anywhere in
+    4-5."""
     os.makedirs(dst)
-    shutil.copy(checkpoint_path(src, 3), dst)
+    shutil.copytree(os.path.join(src, "step00000003"),
+                    os.path.join(dst, "step00000003"))
 
 
 @pytest.fixture(scope="module")

@@ -4,61 +4,39 @@ A synchronous save stalls every rank for the whole write (serialise, write, fsyn
 hash). An asynchronous one stalls the loop only while the state is copied to CPU
 memory (the copy is what the next optimizer step may no longer change); a
 background thread writes the copy while training goes on:
-
-- sharded (FSDP2): ``torch.distributed.checkpoint.async_save`` on a gloo process
-  group of its own (:func:`dtlib.runtime.dist.cpu_group`): DCP's planning and
-  finishing collectives run in its writer thread, and on the training group they
-  would interleave with the steps' collectives in another order on each rank;
-- replicated (DDP): rank 0 stages a CPU copy of the one-file state
-  (:func:`dtlib.checkpoint.state.gather_state`) and a thread ``atomic_save``s it.
+``torch.distributed.checkpoint.async_save``, for every strategy (one format,
+:mod:`dtlib.train.state`), on a gloo process group of its own
+(:func:`dtlib.runtime.dist.cpu_group`): DCP's planning and finishing collectives run
+in its writer thread, and on the training group they would interleave with the
+steps' collectives in another order on each rank.
 
 Publishing is what makes a checkpoint visible, and it comes last: the DCP directory
 is written as ``stepNNNNNNNN.tmp`` and renamed, after its manifest, once every
 rank's writer is done (rank 0's DCP future completes only after every rank's
-``write_data``); the single file appears by ``os.replace``. The next save, and the
+``write_data``). The next save, and the
 end of the run, first wait for the previous one: one save in flight at most, and
 ``--keep-last`` deletes old checkpoints only once the new one is published. A crash
-in the middle leaves a ``.tmp`` directory or a ``.part`` file, which no resume lists
-and the next save deletes.
+in the middle leaves a ``.tmp`` directory, which no resume lists and the next save
+deletes.
 
 Taught in: Chapter 10, "Crash and resume".
 """
 
 from __future__ import annotations
 
-import copy
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dtlib.checkpoint.state import (atomic_save, checkpoint_path, clean_leftovers,
-                                    gather_state)
 from dtlib.runtime import dist as ddist
 from dtlib.train.job import Job
-from dtlib.train.state import begin_sharded, publish_sharded
+from dtlib.train.state import begin_save, publish, state_to_save
 
-__all__ = ["BackgroundSaver", "cpu_copy"]
-
-
-def cpu_copy(tree: Any) -> Any:
-    """A deep copy of a state dict with every tensor copied to CPU memory: what a
-    background writer may read while training changes the live tensors.
-
-    Taught in: Chapter 10, "Crash and resume".
-    """
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: cpu_copy(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [cpu_copy(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(cpu_copy(v) for v in tree)
-    return copy.deepcopy(tree)
+__all__ = ["BackgroundSaver"]
 
 
 class BackgroundSaver:
@@ -85,34 +63,27 @@ class BackgroundSaver:
         self.group: Any = None  # the writer's gloo group, made at the first save
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
 
-    def save(self, step: int) -> None:
-        """Wait for the previous save, then start the save of ``step``."""
+    def save(self, step: int) -> float:
+        """Wait for the previous save, then start the save of ``step``. Returns
+        the seconds the loop was held (the wait and the staging)."""
+        began = time.perf_counter()
         self.wait()
         job = self.job
-        if not job.strategy.sharded_checkpoint:  # one file, rank 0
-            state = gather_state(step, job.model, job.optimizer, job.scheduler,
-                                 job.sampler, scaler=job.scaler)  # a collective
-            if state is not None:
-                clean_leftovers(job.cfg.ckpt_dir)
-                self.pending = self.pool.submit(
-                    atomic_save, cpu_copy(state), checkpoint_path(job.cfg.ckpt_dir,
-                                                                  step))
-            return
         if self.group is None:
             self.group = ddist.cpu_group()  # a collective: every rank, same save
-        tmp, final = begin_sharded(job, step)
-        msd, osd = get_state_dict(job.model, job.optimizer)
-        written = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=tmp,
+        tmp, final = begin_save(job, step)
+        written = dcp.async_save(state_to_save(job), checkpoint_id=tmp,
                                  process_group=self.group)  # staged when it returns
         written = getattr(written, "upload_completion", written)  # newer stagers
         if dist.get_rank() != 0:
             self.pending = written
-            return
+            return time.perf_counter() - began
 
-        def publish() -> None:  # rank 0's future: every rank's files are written
+        def done() -> None:  # rank 0's future: every rank's files are written
             written.result()
-            publish_sharded(tmp, final, step, job.cfg.tp)
-        self.pending = self.pool.submit(publish)
+            publish(tmp, final, step, job, time.perf_counter() - began)
+        self.pending = self.pool.submit(done)
+        return time.perf_counter() - began
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and published; a

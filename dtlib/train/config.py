@@ -28,6 +28,19 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 #: (``dtlib.memory.recompute.RECOMPUTE_MODES``); tests check they agree.
 ATTENTION = ("explicit", "sdpa")
 RECOMPUTE = ("none", "selective", "full")
+#: ``--allow-change``: the entries of a run's identity that a resume may change on
+#: purpose (:data:`dtlib.train.identity.RULES`' "care" entries).
+CARE_NAMES = ("global-batch", "lr", "warmup", "min-lr-ratio", "steps", "weight-decay",
+              "grad-clip", "precision")
+#: The choices of each string flag that has a fixed set (shown by ``--help``).
+CHOICES = {"strategy": STRATEGY_NAMES, "precision": PRECISIONS, "model": MODELS,
+           "optimizer": OPTIMIZER_NAMES, "attention": ATTENTION, "recompute": RECOMPUTE}
+#: The convention of every count and interval, stated once in ``--help``.
+ZERO_TURNS_OFF = (
+    "A count or interval of 0 turns its feature off: --save-every 0 saves only after "
+    "the last step and on preemption, --keep-last 0 deletes no checkpoint, "
+    "--log-every 0 logs only the last step, --eval-every 0 never evaluates, "
+    "--stop-after 0 and --kill-at-step 0 never stop, --grad-clip 0 never clips.")
 
 
 @dataclass(frozen=True)
@@ -57,13 +70,16 @@ class TrainConfig:
         0.9: its step is smooth in the gradient, so equal gradients give equal
         trajectories; the tests' proofs use it).
     lr: peak learning rate, reached after ``warmup`` steps.
-    warmup: steps of linear warm-up; then cosine decay to ``min_lr_ratio * lr``.
+    warmup: steps of linear warm-up; then cosine decay to ``min_lr_ratio * lr``
+        (default: 2, or steps - 1 when steps <= 2).
     min_lr_ratio: the final learning rate as a fraction of ``lr``.
     weight_decay: the optimizer's weight decay (AdamW's is decoupled).
     grad_clip: clip the global gradient norm to this (0 turns clipping off).
     dataset_size: samples in the synthetic dataset (an epoch).
     seed: seeds the model's weights, the data and the sampler's shuffling.
-    ckpt_dir: directory of checkpoints; None saves nothing and resumes nothing.
+    ckpt_dir: directory of checkpoints; None saves nothing and resumes nothing. A
+        run resumes the newest good checkpoint there; one of another run (another
+        model, data, seed, tp or optimizer) is refused, naming what differs.
     save_every: save after every this many steps (and after the last step).
     log_every: rank 0 prints step, loss, learning rate and tokens/s this often.
     stop_after: leave after this many steps of *this* process without a final save,
@@ -85,8 +101,8 @@ class TrainConfig:
     log_file: rank 0 appends one JSON line per logged step and per evaluation
         here (default: train_log.jsonl in ckpt_dir when there is one).
     peak_flops: one device's peak FLOP/s for MFU (0: a matmul measured at start-up).
-    keep_last: after each save, delete all but this many newest checkpoints (0:
-        keep every one).
+    keep_last: after each save, delete all but this many newest checkpoints of
+        this run (0: keep every one; another run's are never deleted).
     kill_at_step: a rehearsal of a dead rank: the last rank SIGKILLs itself in the
         middle of this step, in torchrun's first attempt only (0: never).
     attention: "explicit" (the s x s scores written out; HF: "eager") or "sdpa"
@@ -103,6 +119,16 @@ class TrainConfig:
     tensorboard: also write the logged scalars as TensorBoard events to this
         directory (needs the .[tensorboard] extra; without it the run says so in
         one line and continues).
+    fresh: start from step 0 although ckpt_dir holds checkpoints of this run
+        (all damaged, or a deliberate restart); they are moved, untouched, into
+        ckpt_dir/superseded-N/ first. Another run's checkpoints are still refused.
+    allow_change: comma-separated identity entries a resume may change:
+        global-batch, lr, warmup, min-lr-ratio, steps, weight-decay, grad-clip,
+        precision (printed at start-up; without it a change is refused).
+    shutdown_timeout: seconds a preemption save may take: torchrun's
+        --shutdown-timeout (torchrun SIGKILLs the workers after it; default:
+        $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else torchrun's 30). The run says at
+        start-up and after each save whether a save fits.
     """
 
     strategy: str = "ddp"
@@ -120,7 +146,7 @@ class TrainConfig:
     steps: int = 20
     optimizer: str = "adamw"
     lr: float = 3e-3
-    warmup: int = 2
+    warmup: int | None = None
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -147,16 +173,32 @@ class TrainConfig:
     export_hf: str | None = None
     async_save: bool = False
     tensorboard: str | None = None
+    fresh: bool = False
+    allow_change: str = ""
+    shutdown_timeout: float = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                                                   "30"))
 
     def __post_init__(self) -> None:
+        if self.warmup is None and isinstance(self.steps, int) and self.steps >= 1:
+            object.__setattr__(self, "warmup", min(2, self.steps - 1))
+        for name in ("fresh", "async_save"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or "
+                                 "False")
+        unknown = [n for n in self.allow_change_names if n not in CARE_NAMES]
+        if unknown or not isinstance(self.allow_change, str):
+            raise ValueError(f"allow_change={self.allow_change!r} names "
+                             f"{', '.join(map(repr, unknown))}; allowed: a comma-"
+                             f"separated list of {', '.join(CARE_NAMES)}")
+        if not 0 < self.shutdown_timeout < math.inf:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be "
+                             "finite and > 0")
         _choice("strategy", self.strategy, STRATEGY_NAMES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("model", self.model, MODELS)
         _choice("optimizer", self.optimizer, OPTIMIZER_NAMES)
         _choice("attention", self.attention, ATTENTION)
         _choice("recompute", self.recompute, RECOMPUTE)
-        if not isinstance(self.async_save, bool):
-            raise ValueError(f"async_save={self.async_save!r} must be True or False")
         if self.tensorboard is not None and os.path.isfile(self.tensorboard):
             raise ValueError(f"tensorboard={self.tensorboard!r} is a file; allowed: "
                              "a directory (it is created if missing)")
@@ -175,10 +217,10 @@ class TrainConfig:
                              "(init_from's directory holds its own config.json)")
         for name in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size",
                      "micro_batch", "accum_steps", "steps", "dataset_size",
-                     "save_every", "log_every", "eval_samples"):
+                     "eval_samples"):
             _int(name, getattr(self, name), minimum=1)
         for name in ("warmup", "seed", "stop_after", "eval_every", "keep_last",
-                     "kill_at_step"):
+                     "kill_at_step", "save_every", "log_every"):
             _int(name, getattr(self, name), minimum=0)
         if self.hidden % self.n_heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by "
@@ -210,7 +252,9 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is a directory; "
                                  "allowed: a file path")
         if self.warmup >= self.steps:
-            raise ValueError(f"warmup={self.warmup} must be < steps={self.steps}")
+            raise ValueError(f"warmup={self.warmup} must be < steps={self.steps} "
+                             "(the schedule warms up, then decays); allowed: 0 to "
+                             f"{self.steps - 1}")
         _int("tp", self.tp, minimum=1)
         if self.tp > 1 and self.strategy != "fsdp":
             raise ValueError(f"tp={self.tp} needs strategy='fsdp' (FSDP2 on the dp "
@@ -225,6 +269,12 @@ class TrainConfig:
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError("precision='fp16' with strategy='fsdp' is not supported "
                              "(it needs a ShardedGradScaler); allowed: fp32, bf16")
+
+    @property
+    def allow_change_names(self) -> list[str]:
+        """``allow_change`` as a list of names."""
+        text = self.allow_change if isinstance(self.allow_change, str) else ""
+        return [n.strip() for n in text.split(",") if n.strip()]
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -253,17 +303,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dtlib.train",
         description="Train the book's GPT or a Hugging Face Llama with DDP or FSDP2 "
-                    "(run under torchrun).")
+                    "(run under torchrun).", epilog=ZERO_TURNS_OFF)
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
+        text = doc.get(f.name, "")
         if str(f.type) == "bool":  # a switch: present or absent
             parser.add_argument("--" + f.name.replace("_", "-"), action="store_true",
-                                help=doc.get(f.name, ""))
+                                help=text)
             continue
-        kind = {"int": int, "float": float}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        choices = CHOICES.get(f.name)
+        shown = "" if "default:" in text or default is None else \
+            f" (default: {default})"  # once: the docstring's, or argparse's
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind,
-                            default=default, help=f"{doc.get(f.name, '')} "
-                            f"(default: {default})")
+                            default=default, help=text + shown,
+                            metavar="{" + ",".join(choices) + "}" if choices
+                            else None)
     return parser
 
 
@@ -292,8 +347,16 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     except ValueError as exc:  # one line naming the flag, as argparse's own errors
         name = re.match(r"(\w+)=", str(exc))
         flag = f"argument --{name.group(1).replace('_', '-')}: " if name else ""
-        parser.error(flag + str(exc))
+        _error(parser, flag + str(exc))
     return cfg
+
+
+def _error(parser: argparse.ArgumentParser, message: str) -> None:
+    """argparse's ``error:`` line and exit status 2, printed by rank 0 only (every
+    rank of a torchrun job parses the same flags and would print the same line)."""
+    if os.environ.get("RANK", "0") != "0":
+        raise SystemExit(2)
+    parser.error(message)
 
 
 def read_toml(path: str, parser: argparse.ArgumentParser) -> dict[str, object]:
@@ -367,15 +430,19 @@ def check_data(cfg: TrainConfig, batch: int) -> None:
     Taught in: Chapter 10, "Real token files".
     """
     from dtlib.train.data import TokenWindows, held_out_split
-    from dtlib.train.tokens import read_meta
+    from dtlib.train.tokens import open_tokens
 
-    meta = read_meta(cfg.data)
+    tokens, meta = open_tokens(cfg.data)  # a missing or truncated tokens.bin
     if meta["vocab_size"] > cfg.vocab_size:
         raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the token "
                          f"file's vocabulary ({meta['vocab_size']}, {cfg.data}); "
                          f"allowed: >= {meta['vocab_size']}")
-    train, _ = held_out_split(TokenWindows.count(meta["n_tokens"], cfg.seq_len),
-                              cfg.eval_fraction)
+    windows = TokenWindows.count(len(tokens), cfg.seq_len)
+    if windows < 1:
+        raise ValueError(f"seq_len={cfg.seq_len} is longer than the token file "
+                         f"({cfg.data} has {len(tokens)} tokens; a sample needs "
+                         f"seq_len + 1); allowed: <= {len(tokens) - 1}")
+    train, _ = held_out_split(windows, cfg.eval_fraction)
     if train < batch:
         raise ValueError(f"data={cfg.data!r} has {train} training windows of "
                          f"seq_len + 1 tokens, fewer than one global batch ({batch}); "

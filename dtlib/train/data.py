@@ -225,10 +225,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "('dtlib/**/*.py' recurses)")
     p.add_argument("--tokenizer", required=True, help="'bytes' (256 byte values, "
                    "nothing downloaded) or a local Hugging Face tokenizer directory")
-    p.add_argument("--out", required=True, help="the directory to write")
+    p.add_argument("--out", required=True, help="the directory to write (refused "
+                   "when it already holds a token file, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace the token file "
+                   "--out already holds")
     ns = parser.parse_args(argv)
     try:
-        meta = prepare(ns.files, load_tokenizer(ns.tokenizer), ns.out)
+        meta = prepare(ns.files, load_tokenizer(ns.tokenizer), ns.out, ns.force)
     except ValueError as exc:
         parser.error(str(exc))
     print(f"{ns.out}: {meta['n_tokens']:,} tokens ({meta['dtype']}, vocabulary "

@@ -11,8 +11,8 @@ checkpoints.
   under ``torchrun --max-restarts=N`` the agent sees a dead worker, stops the others
   and starts the group again, and the new processes resume from the newest good
   checkpoint by themselves.
-- :func:`retain`: ``--keep-last K`` deletes all but the K newest checkpoints after
-  each save.
+- :func:`retain`: ``--keep-last K`` deletes all but the K newest checkpoints of this
+  run after each save (those whose ``run.json`` is this run's; nothing else).
 
 Taught in: Chapter 10, "Crash and resume".
 """
@@ -28,9 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtlib.checkpoint.state import list_checkpoints
 from dtlib.runtime import dist as ddist
-from dtlib.train.state import dcp_dirs
+from dtlib.train.identity import own_step_dirs
 
 __all__ = ["Preemption", "kill_rehearsal", "retain", "SIGNALS"]
 
@@ -95,19 +94,17 @@ def kill_rehearsal(batch_fn: Callable[[int], Any], step: int, rank: int
     return dying
 
 
-def retain(ckpt_dir: str, keep_last: int, sharded: bool) -> list[str]:
-    """Delete all but the ``keep_last`` newest checkpoints of ``ckpt_dir`` (0: keep
-    every one); rank 0 only. Returns the paths deleted.
+def retain(ckpt_dir: str, keep_last: int, identity: dict[str, Any]) -> list[str]:
+    """Delete all but the ``keep_last`` newest checkpoints of this run in
+    ``ckpt_dir`` (0: keep every one); rank 0 only. A checkpoint whose ``run.json``
+    is not ``identity``'s (another run's, or unreadable: damaged) is never
+    deleted. Returns the paths deleted.
 
     Taught in: Chapter 10, "Crash and resume".
     """
     if not keep_last or not ddist.world().is_main:
         return []
-    if sharded:
-        paths = dcp_dirs(ckpt_dir)  # newest first
-    else:
-        paths = [p for _, p in reversed(list_checkpoints(ckpt_dir))]
-    gone = paths[keep_last:]
+    gone = own_step_dirs(ckpt_dir, identity)[keep_last:]  # newest first
     for path in gone:
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        shutil.rmtree(path)
     return gone

@@ -245,8 +245,12 @@ class Job:
     startup_bytes: the bytes of parameter storage this rank held while the model
         was set up: ``peak`` (the largest, after any set-up step), ``kept`` (its
         parameters when training starts) and ``whole`` (the fp32 model, ``4 N``).
-    verified: the files of the resumed sharded checkpoint this rank hashed (the
-        ones it reads).
+    verified: the files of the resumed checkpoint this rank hashed (the ones it
+        reads).
+    resumed: what the resume loaded and checked (``path``, ``step``, ``damaged``
+        (the newer checkpoints fallen back over), ``save_s`` (how long that save
+        took), ``changes`` (the lines of what differs), ``checked`` (identity
+        entries compared)); None for a run from step 0.
     """
 
     cfg: TrainConfig
@@ -266,6 +270,7 @@ class Job:
     states: ModelStates
     startup_bytes: dict[str, int]
     verified: set[str] = field(default_factory=set)
+    resumed: dict[str, Any] | None = None
 
     @property
     def global_tokens(self) -> int:

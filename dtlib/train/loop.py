@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from dataclasses import asdict
 from typing import Any, Sequence
 
@@ -32,7 +34,8 @@ from dtlib.models.run import RunResult, run_steps
 from dtlib.runtime import dist as ddist
 from dtlib.train.async_save import BackgroundSaver
 from dtlib.train.config import TrainConfig, parse_args
-from dtlib.train.faults import Preemption, kill_rehearsal, retain
+from dtlib.train.faults import SIGNALS, Preemption, kill_rehearsal, retain
+from dtlib.train.identity import Refusal, check_directory, fingerprint, run_identity
 from dtlib.train.job import Job, build_job
 from dtlib.train.metrics import (RunLog, StepClock, evaluate, flops_per_token,
                                  measured_peak_flops, peak_memory)
@@ -51,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> float:
     world = ddist.init()  # rank, local_rank, world_size, backend and device
     try:
         return train(cfg, world)["final_loss"]
+    except Refusal as exc:  # found after start-up: every rank refuses alike
+        if world.is_main:
+            print(f"python -m dtlib.train: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         if owns_group:
             ddist.destroy()
@@ -68,19 +75,32 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
         ``eval_losses`` (str(step) -> held-out loss), ``preempted`` (the signal's
         name or None), ``verified_files`` (of a resumed sharded checkpoint, this
         rank's), ``startup_bytes`` (this rank's parameter storage during set-up:
-        ``Job.startup_bytes``), ``n_params``, ``config``; rank 0 also writes it to
-        ``cfg.summary_json``.
+        ``Job.startup_bytes``), ``n_params``, ``config``, ``resumed`` (what the
+        resume loaded and checked), ``save_s`` (this rank's seconds per save);
+        rank 0 also writes it to ``cfg.summary_json``.
+    Raises:
+        Refusal: ``cfg.ckpt_dir`` or its log belongs to another run, or a resume
+            would change what it may not (:mod:`dtlib.train.identity`): nothing
+            was built, loaded or written.
 
     Taught in: Chapter 10, "One training script".
     """
+    # Before any model or file exists: may this run use cfg.ckpt_dir (and its log)?
+    check_directory(cfg, world.world_size)
+    ddist.rprint(f"setting up: {cfg.model} for {cfg.strategy} on {world.world_size} "
+                 f"rank(s) ({world.backend}, {world.device.type})", flush=True)
     job = build_job(cfg, world)
     start = resume(job)
     _announce(job, start)
+    identity = run_identity(cfg, world.world_size)
+    window = _preemption_window(job)
     if job.strategy.warm_up is not None and job.par.dp_size > 1:
         x = job.data.rows(torch.arange(cfg.micro_batch))[:, :-1].to(world.device)
         job.strategy.warm_up(job.model, x)  # DDP: same buckets fresh or resumed
     log = RunLog(cfg.log_file or (os.path.join(cfg.ckpt_dir, "train_log.jsonl")
                                   if cfg.ckpt_dir else None), cfg.tensorboard)
+    log.header({"run": fingerprint(identity), "start_step": start,
+                "world_size": world.world_size, "strategy": cfg.strategy})
     flops = flops_per_token(job.n_params, cfg.n_layers, cfg.seq_len, cfg.hidden) \
         * job.global_tokens  # per step, every device together
     peak = _peak_flops(job)
@@ -90,29 +110,36 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     batch_fn = kill_rehearsal(job.batch_fn, cfg.kill_at_step, world.world_size - 1)
 
     def keep() -> None:
-        retain(cfg.ckpt_dir, cfg.keep_last, job.strategy.sharded_checkpoint)
+        retain(cfg.ckpt_dir, cfg.keep_last, identity)
 
     saver = BackgroundSaver(job, published=keep) if cfg.async_save and cfg.ckpt_dir \
         else None
+    began = [time.perf_counter()]
 
     def save(step: int) -> None:
         if saver is not None:  # waits for the previous save, stages this one
-            saver.save(step)
-            return
-        save_state(job, step)
-        keep()
+            seconds = saver.save(step)
+        else:
+            seconds = save_state(job, step)
+            keep()
+        window.saved(step, seconds, clock.last_s)
 
     def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
         clock.step_done()
         with clock.paused():  # saves, evaluations and logging are no step's time
-            saved = cfg.ckpt_dir and (step % cfg.save_every == 0 or step == cfg.steps)
+            if step == start + 1:
+                ddist.rprint(f"step {step} took {time.perf_counter() - began[0]:.2f} s "
+                             "(the first step includes one-time work: allocation, "
+                             "buckets, kernels' first calls)", flush=True)
+            saved = cfg.ckpt_dir and (step == cfg.steps or (
+                cfg.save_every and step % cfg.save_every == 0))
             if saved:
                 save(step)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evals[str(step)] = value = evaluate(job)
                 log.write({"step": step, "eval_loss": value},
                           f"step {step:5d} | eval loss {value:.4f} (held out)")
-            if step % cfg.log_every == 0 or step == cfg.steps:
+            if step == cfg.steps or (cfg.log_every and step % cfg.log_every == 0):
                 _log_step(job, log, step, loss, float(extra["grad_norms"][-1]),
                           clock.take(), flops, peak)
             if cfg.stop_after and step - start >= cfg.stop_after:
@@ -134,6 +161,7 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
 
     # Without clipping the norm is still measured: clipping to inf multiplies every
     # gradient by exactly 1.0 (the clip coefficient min(inf / norm, 1)).
+    began[0] = time.perf_counter()
     with stop:
         result = run_steps(job.par, job.model, batch_fn, cfg.steps, start=start,
                            local=True, wrapped=job.model, optimizer=job.optimizer,
@@ -147,7 +175,7 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     if cfg.export_hf:
         export_hf(job, cfg.export_hf)
     result.extra.update(eval_losses=evals, preempted=preempted[0] if preempted
-                        else None)
+                        else None, save_s=window.seconds)
     return _summarise(job, start, result)
 
 
@@ -162,6 +190,8 @@ def _peak_flops(job: Job) -> tuple[float, str]:
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16 \
         if cfg.precision == "fp16" and job.world.device.type == "cuda" \
         else torch.float32
+    ddist.rprint("measuring one device's matmul rate for MFU (--peak-flops skips "
+                 "it) ...", flush=True)
     peak = measured_peak_flops(job.world.device, dtype)
     source = f"measured: {str(dtype).replace('torch.', '')} matmul"
     ddist.rprint(f"MFU is over a peak of {peak / 1e12:.3g} TFLOP/s per device "
@@ -183,6 +213,59 @@ def _log_step(job: Job, log: RunLog, step: int, loss: float, grad_norm: float,
               f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | grad norm "
               f"{grad_norm:.3f} | {step_time * 1e3:.1f} ms/step | {rate:,.0f} tokens/s"
               f" | MFU {mfu:.1%} | {kind} {mem / 2 ** 20:,.0f} MiB")
+
+
+class _Window:
+    """Whether a preemption save fits torchrun's ``--shutdown-timeout``: torchrun
+    forwards a signal to the workers, waits that long, then SIGKILLs them. A save
+    asked for by a signal starts at the next step boundary, so it needs up to one
+    step plus one save. ``saved`` measures each save; the first one, and any that
+    would not fit, are reported with the margin."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s, self.seconds, self.reported = timeout_s, [], False
+
+    def saved(self, step: int, save_s: float, step_s: float | None) -> None:
+        self.seconds.append(save_s)
+        need = save_s + (step_s or 0.0)
+        fits = need < self.timeout_s
+        if self.reported and fits:
+            return
+        self.reported = True
+        ddist.rprint(
+            f"saving step {step} took {save_s:.2f} s: a preemption save (up to one "
+            f"step, {step_s or 0.0:.2f} s, then a save) needs {need:.2f} s of "
+            f"torchrun's {self.timeout_s:g} s --shutdown-timeout, "
+            + (f"{self.timeout_s - need:.2f} s to spare" if fits else
+               "MORE than it has: torchrun would SIGKILL the ranks mid-save (the "
+               "newest checkpoint then stays the one before); give torchrun a longer "
+               "--shutdown-timeout and this run the same --shutdown-timeout, or "
+               "save less often with --async-save"), flush=True)
+
+
+def _preemption_window(job: Job) -> _Window:
+    """Say, at start-up, what a preemption needs: which signals torchrun forwards
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, set by torchrun >= 2.8), and the window
+    the save must fit in."""
+    cfg = job.cfg
+    window = _Window(cfg.shutdown_timeout)
+    if not cfg.ckpt_dir:
+        return window
+    forwarded = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    wanted = [s.name for s in SIGNALS]
+    if forwarded is not None:
+        missing = [s for s in wanted if s not in forwarded.split(",")]
+        if missing:
+            ddist.rprint(f"torchrun forwards {forwarded} only: {', '.join(missing)} "
+                         "sent to torchrun will not reach this script; give torchrun "
+                         f"--signals-to-handle={forwarded},{','.join(missing)}")
+    last = (job.resumed or {}).get("save_s")
+    ddist.rprint(f"on {' or '.join(wanted)} the run saves at the next step boundary "
+                 f"and exits 0; torchrun allows {cfg.shutdown_timeout:g} s "
+                 "(--shutdown-timeout) before SIGKILL"
+                 + (f"; the checkpoint resumed took {last:.2f} s to save"
+                    if last is not None else "; the first save measures it"))
+    return window
 
 
 def _announce(job: Job, start: int) -> None:
@@ -210,6 +293,7 @@ def _summarise(job: Job, start: int, result: RunResult) -> dict[str, Any]:
                "eval_losses": result.extra["eval_losses"],
                "preempted": result.extra["preempted"],
                "verified_files": sorted(job.verified),
+               "resumed": job.resumed, "save_s": result.extra["save_s"],
                "startup_bytes": job.startup_bytes, "n_params": job.n_params,
                "config": asdict(cfg)}
     ddist.rprint(f"done: steps {start}->{step}, final loss {loss:.4f}, "

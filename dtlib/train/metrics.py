@@ -145,11 +145,13 @@ class StepClock:
     def __init__(self) -> None:
         self.last = time.perf_counter()
         self.times: list[float] = []
+        self.last_s: float | None = None  # the latest step's seconds
 
     def step_done(self) -> None:
         """A step has ended (the loop has synchronised the device)."""
         now = time.perf_counter()
         self.times.append(now - self.last)
+        self.last_s = now - self.last
         self.last = now
 
     @contextlib.contextmanager
@@ -182,6 +184,14 @@ class RunLog:
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self.board = tensorboard_writer(tensorboard) if tensorboard and main else None
+
+    def header(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (``{"run": fingerprint, "start_step", ...}``) without
+        printing it: the first line of a log says whose it is, and each start of
+        the run adds one (:func:`dtlib.train.identity.check_log` reads it)."""
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def write(self, record: dict[str, Any], line: str) -> None:
         """Print ``line`` on rank 0 and append ``record`` to the log file."""

@@ -28,14 +28,19 @@ from dtlib.memory.recompute import apply_recompute
 from dtlib.models.gpt import GPTConfig, build_gpt, meta_gpt
 from dtlib.train.config import TrainConfig
 
-__all__ = ["build_model", "count_params", "logits_of", "HF_ATTENTION",
+__all__ = ["build_model", "hf_config", "count_params", "logits_of", "HF_ATTENTION",
            "starts_on_meta", "init_model", "unit_params"]
 
 #: ``--attention`` -> transformers' ``attn_implementation``.
 HF_ATTENTION = {"explicit": "eager", "sdpa": "sdpa"}
 
 
-def _hf_config(cfg: TrainConfig) -> Any:
+def hf_config(cfg: TrainConfig) -> Any:
+    """The ``LlamaConfig`` of ``cfg``'s Hugging Face model: from ``--init-from``'s or
+    ``--model-config``'s file, else from the size flags.
+
+    Taught in: Chapter 10, "A Hugging Face model".
+    """
     from dtlib.models import hf  # needs transformers (the .[hf] extra)
 
     source = cfg.init_from or cfg.model_config
@@ -70,7 +75,7 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
         return apply_recompute(build_gpt(gcfg, seed=cfg.seed), cfg.recompute)
     from dtlib.models import hf
 
-    config = _hf_config(cfg)
+    config = hf_config(cfg)
     if meta:
         with torch.device("meta"):
             model = hf.build_hf_llama(config)
@@ -96,7 +101,7 @@ def starts_on_meta(cfg: TrainConfig) -> bool:
     """
     if cfg.model == "gpt":
         return True
-    return not cfg.init_from and not getattr(_hf_config(cfg), "tie_word_embeddings",
+    return not cfg.init_from and not getattr(hf_config(cfg), "tie_word_embeddings",
                                              False)
 
 

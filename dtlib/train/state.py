@@ -1,14 +1,24 @@
-"""Save and resume the capstone's whole training state, for DDP and for FSDP2.
+"""Save and resume the capstone's whole training state, in one format for every
+strategy.
 
-DDP: the model is replicated, so :func:`dtlib.checkpoint.save_checkpoint` writes one
-atomic file from rank 0 with every rank's sampler and RNG state. FSDP2: every rank holds
-a shard, so every rank writes: a ``torch.distributed.checkpoint`` directory for the
-sharded model and optimizer, plus one small file per rank for its scheduler, sampler
-and RNG state, renamed into place once all are written. With ``--tp`` the same code
-saves and loads 2-D DTensors (FSDP shard on dp x TP split on tp): DCP stores each
-rank's local pieces with their offsets in the full tensors.
+Every strategy saves through ``torch.distributed.checkpoint`` with its state-dict
+helpers (``get_state_dict`` / ``set_state_dict``): a ``stepNNNNNNNN`` directory with
+the model and optimizer (each rank writes its shards under FSDP2 and FSDP x TP; under
+DDP the replicated tensors are written once, spread over the ranks), one small file
+per rank for its scheduler, sampler and RNG state, the run's identity
+(``run.json``, :mod:`dtlib.train.identity`) and a manifest hashing every file. The
+keys are the model's own parameter names whatever wraps it, so a DDP checkpoint
+resumes under FSDP2 on another number of ranks and back: DCP reads each rank's
+pieces (its shard, or the whole tensor for a replica) from the saved chunks. With
+``--tp`` the tensors are 2-D DTensors; the tensor-parallel layout is part of the
+identity (another ``--tp`` is refused).
 
-Taught in: Chapter 10, "Crash and resume" (the formats: Chapter 9).
+Nothing that exists is replaced: a save writes ``stepNNNNNNNN.tmp`` and renames it
+once every rank has written; the name of a damaged checkpoint the run fell back
+from is kept as ``stepNNNNNNNN.damaged-K`` when the run saves that step again.
+
+Taught in: Chapter 10, "Crash and resume" and "A checkpoint knows its run" (the
+formats: Chapter 9).
 """
 
 from __future__ import annotations
@@ -17,8 +27,7 @@ import hashlib
 import json
 import math
 import os
-import re
-import shutil
+import time
 import warnings
 from typing import Any
 
@@ -32,22 +41,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
 
 from dtlib.checkpoint.safe_dcp import (MANIFEST, SafeFileSystemReader,
                                        SafeLoadPlanner, file_sha256, write_manifest)
-from dtlib.checkpoint.state import (atomic_save, clean_leftovers, list_checkpoints,
-                                    load_latest_good, rng_state, save_checkpoint,
-                                    set_rng_state)
+from dtlib.checkpoint.state import atomic_save, clean_leftovers, rng_state, \
+    set_rng_state
 from dtlib.models.run import full_tensor, unwrap
 from dtlib.runtime.dist import rprint
-from dtlib.train.job import Job
+from dtlib.train.identity import (IDENTITY, Refusal, compare, read_identity,
+                                  run_identity, step_dirs)
+from dtlib.train.job import Job, lr_lambda
 
-__all__ = ["save_state", "begin_sharded", "publish_sharded", "resume", "param_digest",
-           "dcp_dirs", "export_hf", "rank_file", "reseed"]
-
-
-def dcp_dirs(ckpt_dir: str) -> list[str]:
-    """The finished sharded checkpoints of ``ckpt_dir``, newest first."""
-    names = [n for n in os.listdir(ckpt_dir) if re.fullmatch(r"step\d{8}", n)] \
-        if os.path.isdir(ckpt_dir) else []
-    return [os.path.join(ckpt_dir, n) for n in sorted(names, reverse=True)]
+__all__ = ["save_state", "begin_save", "publish", "resume", "param_digest",
+           "step_dirs", "export_hf", "rank_file", "reseed", "set_aside",
+           "supersede"]
 
 
 def files_to_read(path: str, state: dict[str, Any]) -> set[str]:
@@ -64,22 +68,21 @@ def files_to_read(path: str, state: dict[str, Any]) -> set[str]:
                             for item in planner.create_local_plan().items}
 
 
-def _check_mine(path: str, state: dict[str, Any], cfg: Any) -> tuple[set[str], str]:
-    """(the files this rank hashed, "" or what is wrong with ``path``); another tp
-    raises (every rank reads the same manifest)."""
+def _check_mine(path: str, state: dict[str, Any]) -> tuple[set[str], str]:
+    """(the files this rank hashed, "" or what is damaged in ``path``). Damaged
+    means a file that cannot be read or whose SHA-256 differs from the manifest's."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
         recorded = dict(manifest["files"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return set(), f"no readable {MANIFEST} ({exc})"
-    _check_world(path, manifest, cfg)
     present = sorted(os.path.relpath(os.path.join(root, n), path)
                      for root, _, names in os.walk(path) for n in names)
     if sorted([*recorded, MANIFEST]) != present:  # listing only: no file is read
         return set(), "its files differ from the manifest's list"
     try:
-        mine = files_to_read(path, state) | {rank_file(manifest)}
+        mine = files_to_read(path, state) | {rank_file(manifest), IDENTITY}
     except Exception as exc:  # a damaged .metadata
         return set(), f".metadata unreadable ({type(exc).__name__})"
     for rel in sorted(mine):
@@ -87,14 +90,6 @@ def _check_mine(path: str, state: dict[str, Any], cfg: Any) -> tuple[set[str], s
         if digest is None or digest != file_sha256(os.path.join(path, rel)):
             return mine, f"{rel} changed since it was saved (SHA-256 differs)"
     return mine, ""
-
-
-def _check_world(path: str, manifest: dict[str, Any], cfg: Any) -> None:
-    saved = manifest.get("tp", 1)
-    if saved != cfg.tp:  # qkv rows are stored interleaved for the saver's tp
-        raise ValueError(f"{path} was saved with --tp {saved}; this job has --tp "
-                         f"{cfg.tp}: resume with --tp {saved} (the saved tensor-"
-                         f"parallel layout is tp {saved}'s)")
 
 
 def rank_file(manifest: dict[str, Any]) -> str:
@@ -132,54 +127,81 @@ def reseed(seed: int, step: int, rank: int) -> int:
     return value
 
 
-def _newest_good_dcp(job: Job, state: dict[str, Any]) -> tuple[str, set[str]] | None:
-    """The newest sharded checkpoint that every rank finds whole, and the files this
-    rank verified. Each rank hashes only the files it will read; the ranks agree
-    (one all-reduce per candidate), so one rank's damaged shard makes every rank
-    fall back to the one before, with a warning."""
-    for path in dcp_dirs(job.cfg.ckpt_dir):
-        mine, problem = _check_mine(path, state, job.cfg)
+def _newest_good(job: Job, state: dict[str, Any]
+                 ) -> tuple[str, set[str], list[str]]:
+    """(the newest checkpoint of this run that every rank finds whole, the files
+    this rank verified, what was damaged in the newer ones). Each rank hashes only
+    the files it will read; the ranks agree (one all-reduce per candidate), so one
+    rank's damaged shard makes every rank fall back to the one before, with a
+    warning. A checkpoint of another run is never fallen back from: it is refused
+    (the directory check before start-up refuses it first)."""
+    now = run_identity(job.cfg, dist.get_world_size())
+    damaged: list[str] = []
+    for path in step_dirs(job.cfg.ckpt_dir):
+        saved = read_identity(path)
+        if saved is not None and compare(saved, now).fixed:
+            raise Refusal(compare(saved, now).refusal(path) or path)
+        mine, problem = _check_mine(path, state) if saved is not None else \
+            (set(), f"{IDENTITY} unreadable")
         bad = torch.tensor([int(bool(problem))], device=job.world.device)
         dist.all_reduce(bad)
         if not int(bad.item()):
-            return path, mine
+            return path, mine, damaged
         where = f"rank {dist.get_rank()}: {problem}" if problem else "another rank"
-        warnings.warn(f"{path} is damaged ({where}); falling back to the one before",
-                      stacklevel=2)
-    return None
+        damaged.append(f"{os.path.basename(path)} ({where})")
+        warnings.warn(f"{path} is damaged ({where}); falling back to the one before "
+                      "of the same run", stacklevel=2)
+    return "", set(), damaged
 
 
-def save_state(job: Job, step: int) -> None:
-    """Save after ``step`` steps: one atomic file (DDP) or a DCP directory (FSDP).
+def save_state(job: Job, step: int) -> float:
+    """Save after ``step`` steps: a DCP directory, whatever the strategy.
 
-    Every rank must call it (both formats gather or write on all ranks).
+    Every rank must call it (DCP plans and writes on all ranks).
 
     Args:
-        job: the live run (its strategy says which format; ``cfg.ckpt_dir`` where).
+        job: the live run (``cfg.ckpt_dir`` says where).
         step: optimizer steps done.
+    Returns:
+        The seconds the save took (every rank: from the first write to the
+        rename, both barriers included).
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    cfg, model, opt, sched = job.cfg, job.model, job.optimizer, job.scheduler
-    sampler, scaler = job.sampler, job.scaler
-    if not job.strategy.sharded_checkpoint:  # replicated: rank 0 writes one file
-        save_checkpoint(cfg.ckpt_dir, step, model, opt, sched, sampler, scaler=scaler)
-        return
-    # FSDP: every rank writes its shards (DCP) and its own sampler/RNG file into a
-    # temporary directory; rank 0 renames it once all are done (atomic, like Ch. 9).
-    tmp, final = begin_sharded(job, step)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    began = time.perf_counter()
+    tmp, final = begin_save(job, step)
+    dcp.save(state_to_save(job), checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
-        publish_sharded(tmp, final, step, cfg.tp)
+        publish(tmp, final, step, job, time.perf_counter() - began)
     dist.barrier()
+    return time.perf_counter() - began
 
 
-def begin_sharded(job: Job, step: int) -> tuple[str, str]:
-    """Start the sharded save of ``step``: rank 0 deletes what killed saves left, and
-    every rank writes its scheduler, sampler and RNG file into the temporary
-    directory. Returns (the temporary directory, the final one). Every rank calls it.
+def state_to_save(job: Job) -> dict[str, Any]:
+    """``{"model", "optim"}`` of the live job, by parameter name (DCP's
+    state-dict helpers), without changing the run.
+
+    ``get_state_dict`` gives an optimizer without state (no step taken yet: every
+    fp16 step so far skipped by the loss scaler, say) a state, by a step at lr 0:
+    AdamW's step count would then start at 1 in this run and in every resume.
+    That state is saved (the read plan of a resume needs its tensors) and taken
+    away again here; :func:`begin_save` records that there was none.
+
+    Taught in: Chapter 10, "Crash and resume".
+    """
+    had_state = bool(job.optimizer.state)
+    msd, osd = get_state_dict(job.model, job.optimizer)
+    if not had_state:
+        job.optimizer.state.clear()
+    return {"model": msd, "optim": osd}
+
+
+def begin_save(job: Job, step: int) -> tuple[str, str]:
+    """Start the save of ``step``: rank 0 deletes what this run's killed saves
+    left (``.tmp``) and writes ``run.json``; every rank writes its scheduler,
+    sampler and RNG file into the temporary directory. Returns (the temporary
+    directory, the final one). Every rank calls it.
 
     Taught in: Chapter 10, "Crash and resume".
     """
@@ -188,100 +210,181 @@ def begin_sharded(job: Job, step: int) -> tuple[str, str]:
     rank = dist.get_rank()
     if rank == 0:
         clean_leftovers(job.cfg.ckpt_dir)  # what a killed save left behind
+        os.makedirs(tmp, exist_ok=True)
+        with open(os.path.join(tmp, IDENTITY), "w") as f:
+            json.dump(run_identity(job.cfg, dist.get_world_size()), f, indent=1,
+                      sort_keys=True)
     dist.barrier()
     atomic_save({"step": step, "scheduler": job.scheduler.state_dict(),
                  "sampler": job.sampler.state_dict(), **rng_state(),
+                 "optimizer_state_empty": not job.optimizer.state,
                  "scaler": job.scaler.state_dict() if job.scaler is not None
                  else None}, os.path.join(tmp, f"rank{rank}.pt"))
     return tmp, final
 
 
-def publish_sharded(tmp: str, final: str, step: int, tp: int) -> None:
-    """Make a finished sharded save visible, on one rank once every file is written:
-    hash them all into the manifest (a load verifies first), then rename the
-    temporary directory to its final name. Runs no collective.
+def publish(tmp: str, final: str, step: int, job: Job, save_s: float) -> None:
+    """Make a finished save visible, on one rank once every file is written: hash
+    them all into the manifest (a load verifies first; it records the save's
+    seconds), then rename the temporary directory to its final name. A directory
+    of that name (a damaged checkpoint the run fell back from) is kept, renamed
+    by :func:`set_aside`, never replaced. Runs no collective.
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    write_manifest(tmp, world_size=dist.get_world_size(), step=step, tp=tp)
-    if os.path.isdir(final):  # a damaged save of this step, resumed from before
-        shutil.rmtree(final)
+    write_manifest(tmp, world_size=dist.get_world_size(), step=step, tp=job.cfg.tp,
+                   strategy=job.cfg.strategy, save_s=round(save_s, 3))
+    if os.path.exists(final):
+        kept = set_aside(final, "damaged")
+        rprint(f"kept the damaged {os.path.basename(final)} as "
+               f"{os.path.basename(kept)} (nothing is deleted)")
     os.replace(tmp, final)
 
 
+def set_aside(path: str, why: str) -> str:
+    """Rename ``path`` to ``path.WHY-K`` (the first K free): no resume lists it,
+    nothing in it changes. Returns the new path.
+
+    Taught in: Chapter 10, "A checkpoint knows its run".
+    """
+    k = 1
+    while os.path.exists(f"{path}.{why}-{k}"):
+        k += 1
+    os.replace(path, f"{path}.{why}-{k}")
+    return f"{path}.{why}-{k}"
+
+
+def supersede(ckpt_dir: str) -> str | None:
+    """``--fresh``: move this run's checkpoints, untouched, into
+    ``ckpt_dir/superseded-K/`` (the first K free); rank 0 only. Returns the
+    directory, or None when there was nothing to move.
+
+    Taught in: Chapter 10, "A checkpoint knows its run".
+    """
+    paths = step_dirs(ckpt_dir)
+    if not paths:
+        return None
+    k = 1
+    while os.path.exists(os.path.join(ckpt_dir, f"superseded-{k}")):
+        k += 1
+    dest = os.path.join(ckpt_dir, f"superseded-{k}")
+    os.makedirs(dest)
+    for path in paths:
+        os.replace(path, os.path.join(dest, os.path.basename(path)))
+    return dest
+
+
 def resume(job: Job) -> int:
-    """Load the latest checkpoint in ``cfg.ckpt_dir`` into the live job, if any.
+    """Load the newest good checkpoint of this run in ``cfg.ckpt_dir``, if any.
+
+    The identity saved with it is compared first (what differs is printed, or
+    refused); then each rank hashes the files it will read, and a damaged
+    checkpoint is fallen back from. With ``--fresh`` nothing is loaded and the
+    run's checkpoints are moved into ``superseded-K/``.
 
     Args:
         job: built as for a fresh run (FSDP: already sharded; the fp16 scaler
             exists, so its scale resumes too).
     Returns:
         The step to continue from (0 when there is no checkpoint).
+    Raises:
+        Refusal: checkpoints exist and none of them loads (without ``--fresh``),
+            or the one that loads was written with a value this run may not
+            change.
 
     Taught in: Chapter 10, "Crash and resume".
     """
     cfg, model, opt, sched = job.cfg, job.model, job.optimizer, job.scheduler
-    sampler, scaler = job.sampler, job.scaler
     if cfg.ckpt_dir is None:
         return 0
-    if not job.strategy.sharded_checkpoint:
-        got = load_latest_good(cfg.ckpt_dir, model, opt, sched, sampler, scaler,
-                               any_world_size=True)
-        if got is None:
-            return _fresh(cfg.ckpt_dir)
-        _reseed_elsewhere(job, got["world_size"], got["step"])
-        rprint(f"resumed from {got['path']} (step {got['step']})")
-        return got["step"]
-    if not dcp_dirs(cfg.ckpt_dir):
-        return _fresh(cfg.ckpt_dir)
+    if cfg.fresh:
+        moved = None
+        if dist.get_rank() == 0:
+            moved = supersede(cfg.ckpt_dir)
+        dist.barrier()
+        rprint("--fresh: starting from step 0" + (
+            f"; this run's earlier checkpoints moved, untouched, to {moved}"
+            if moved else f" ({cfg.ckpt_dir} holds no checkpoint)"))
+        return 0
+    if not step_dirs(cfg.ckpt_dir):
+        rprint(f"no checkpoint in {cfg.ckpt_dir} yet: starting from step 0")
+        return 0
     # get_state_dict initialises the optimizer's state (a step at lr 0): the read
     # plan, hence the files this rank verifies, needs its tensors
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    found = _newest_good_dcp(job, state)
-    if found is None:
-        opt.state.clear()  # a fresh start: AdamW's step count starts from 0 again
-        return _fresh(cfg.ckpt_dir)
-    path, job.verified = found
+    path, job.verified, damaged = _newest_good(job, state)
+    if not path:
+        raise Refusal(f"no checkpoint of {cfg.ckpt_dir} loads ({len(damaged)} damaged: "
+                      f"{'; '.join(damaged)}); nothing was loaded or changed. Restore "
+                      "a good copy, or pass --fresh to start from step 0 (the "
+                      "damaged ones are moved, untouched, into superseded-K/)")
+    saved = read_identity(path)
+    now = run_identity(cfg, dist.get_world_size())
+    found = compare(saved, now, frozenset(cfg.allow_change_names))
+    refused = found.refusal(path)
+    if refused:
+        raise Refusal(refused)
     # verified above, file by file; no pickle of the directory is run
     dcp.load(state, storage_reader=SafeFileSystemReader(path),
              planner=SafeLoadPlanner())
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     with open(os.path.join(path, MANIFEST)) as f:
-        saved_world = json.load(f)["world_size"]
+        manifest = json.load(f)
+    saved_world = manifest["world_size"]
     mine = torch.load(os.path.join(path, rank_file({"world_size": saved_world})),
                       map_location="cpu", weights_only=True)
     sched.load_state_dict(mine["scheduler"])
-    sampler.load_state_dict(mine["sampler"])
+    job.sampler.load_state_dict(mine["sampler"])
     if saved_world == dist.get_world_size():
         set_rng_state(mine)
     else:
         _reseed_elsewhere(job, saved_world, mine["step"])
-    if scaler is not None and mine.get("scaler"):
-        scaler.load_state_dict(mine["scaler"])
-    rprint(f"resumed from {path} (step {mine['step']})")
+    if job.scaler is not None and mine.get("scaler"):
+        job.scaler.load_state_dict(mine["scaler"])
+    if mine.get("optimizer_state_empty"):  # saved before any step: none, as then
+        opt.state.clear()
+    if found.care:
+        _apply_changes(job, mine["step"])
+    job.resumed = {"path": path, "step": mine["step"], "damaged": damaged,
+                   "save_s": manifest.get("save_s"), "changes": found.lines(),
+                   "checked": len(saved)}
+    rprint(f"resumed from {path} (step {mine['step']}): run identity checked "
+           f"({len(saved)} entries; every fixed one equal), SHA-256 of the "
+           f"{len(job.verified)} files rank 0 reads verified"
+           + (f"; fell back over {len(damaged)} damaged" if damaged else ""))
+    for line in found.lines():
+        rprint(line)
     return mine["step"]
 
 
+def _apply_changes(job: Job, step: int) -> None:
+    """``--allow-change``: the optimizer's hyperparameters and the schedule's base
+    come from the checkpoint when it loads; set this run's values, and the learning
+    rate of the next step from this run's schedule."""
+    cfg = job.cfg
+    sched = job.scheduler
+    sched.base_lrs = [cfg.lr for _ in job.optimizer.param_groups]
+    for group in job.optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+        group["weight_decay"] = cfg.weight_decay
+        group["lr"] = cfg.lr * lr_lambda(step, cfg.warmup, cfg.steps,
+                                         cfg.min_lr_ratio)
+
+
 def _reseed_elsewhere(job: Job, saved_world: int, step: int) -> None:
-    """On another world size than the saver's: say so and :func:`reseed`."""
+    """On another world size than the saver's: say what was done, and
+    :func:`reseed`."""
     ws = dist.get_world_size()
-    if saved_world == ws:
-        return
     value = reseed(job.cfg.seed, step, dist.get_rank())
-    rprint(f"saved by {saved_world} ranks, resumed on {ws}: parameters and "
-           "optimizer state resharded, data position global, generators reseeded "
-           f"from (seed, step, rank) (rank 0: {value})")
-
-
-def _fresh(ckpt_dir: str) -> int:
-    """Say that nothing was loaded, and why, before starting from step 0."""
-    n = len(dcp_dirs(ckpt_dir)) + len(list_checkpoints(ckpt_dir)) \
-        if os.path.isdir(ckpt_dir) else 0
-    rprint(f"no loadable checkpoint in {ckpt_dir} ("
-           + (f"{n} damaged" if n else "none saved yet") + "): starting from step 0")
-    return 0
+    how = ("every rank read the whole model and optimizer state into its replica "
+           "(DDP)" if job.strategy.zero_stage == 0 else
+           "each rank read its new shards of the model and optimizer state (DCP "
+           "reshards)")
+    rprint(f"saved by {saved_world} ranks, resumed on {ws}: {how}; data position "
+           "global; generators reseeded from (seed, step, rank) (rank 0: "
+           f"{value})")
 
 
 def param_digest(model: nn.Module) -> tuple[str, float]:

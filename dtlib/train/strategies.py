@@ -3,8 +3,10 @@
 The script composes, it does not know: each row names the factory of a technique's
 :class:`~dtlib.models.run.Parallelism` (Chapter 3's DDP, Chapter 4's FSDP2, Chapter
 11's FSDP x TP for ``--tp N``) and the few facts the rest of the script asks about
-a strategy (how much of the model states a rank keeps, how it checkpoints, how it
-computes in 16 bits, what runs before the first step). Adding a strategy is adding
+a strategy (how much of the model states a rank keeps, how it
+computes in 16 bits, what runs before the first step). Every strategy checkpoints in
+one format (:mod:`dtlib.train.state`), so a run may change strategy when it resumes.
+Adding a strategy is adding
 a row; nothing else branches on its name.
 
 Taught in: Chapter 10, "The script's structure".
@@ -78,8 +80,6 @@ class Strategy:
         by its package's factory.
     zero_stage: what a rank keeps of the model states (0: all of them; 3: a 1/dp
         shard of parameters, gradients and optimizer state), for Chapter 1's formula.
-    sharded_checkpoint: every rank writes its shards (DCP) instead of rank 0 writing
-        one file of the replicated state (Chapter 9).
     autocast: bf16/fp16 runs the forward under ``torch.autocast`` (else the
         wrapper's own mixed-precision policy computes in 16 bits).
     warm_up: ``warm_up(wrapped, x)`` before the first step, fresh or resumed, on
@@ -92,7 +92,6 @@ class Strategy:
 
     parallelism: Callable[[TrainConfig, ddist.World], Parallelism]
     zero_stage: int
-    sharded_checkpoint: bool
     autocast: bool
     warm_up: Callable[[nn.Module, torch.Tensor], None] | None = None
     shards_on_meta: bool = False
@@ -101,8 +100,6 @@ class Strategy:
 #: The strategies of ``--strategy`` (``config.STRATEGY_NAMES``, which the flag
 #: checks): replicate (DDP) or shard (FSDP2, with --tp).
 STRATEGIES: dict[str, Strategy] = {
-    "ddp": Strategy(_ddp, zero_stage=0, sharded_checkpoint=False, autocast=True,
-                    warm_up=settle_ddp_buckets),
-    "fsdp": Strategy(_fsdp, zero_stage=3, sharded_checkpoint=True, autocast=False,
-                     shards_on_meta=True),
+    "ddp": Strategy(_ddp, zero_stage=0, autocast=True, warm_up=settle_ddp_buckets),
+    "fsdp": Strategy(_fsdp, zero_stage=3, autocast=False, shards_on_meta=True),
 }

@@ -105,22 +105,33 @@ def _expand(patterns: Sequence[str]) -> list[str]:
     return files
 
 
-def prepare(patterns: Sequence[str], tokenizer: Tokenizer, out: str) -> dict:
+def prepare(patterns: Sequence[str], tokenizer: Tokenizer, out: str,
+            force: bool = False) -> dict:
     """Tokenize ``patterns``' files in order into ``out/tokens.bin`` and
     ``out/meta.json``.
 
     Args:
         patterns: text files or glob patterns (``'dtlib/**/*.py'``).
         tokenizer: from :func:`load_tokenizer`.
-        out: the directory to write (created; an existing token file is replaced).
+        out: the directory to write (created).
+        force: replace the token file ``out`` already holds (without it, an
+            existing ``tokens.bin`` or ``meta.json`` is refused: a run may be
+            training on it, and its checkpoints record what it was).
     Returns:
         The metadata written to ``meta.json``.
+    Raises:
+        ValueError: no text file; ``out`` holds a token file and not ``force``.
 
     Taught in: Chapter 10, "Real token files".
     """
     files = _expand(patterns)
     if not files:
         raise ValueError("no text files given; allowed: one or more files or patterns")
+    held = [n for n in (TOKENS, META) if os.path.exists(os.path.join(out, n))]
+    if held and not force:
+        raise ValueError(f"out={out!r} already holds {' and '.join(held)} (a token "
+                         "file runs and checkpoints may depend on); nothing was "
+                         "written: choose another --out, or pass --force to replace it")
     dtype = token_dtype(tokenizer.vocab_size)
     os.makedirs(out, exist_ok=True)
     meta_path = os.path.join(out, META)
@@ -175,7 +186,13 @@ def open_tokens(directory: str) -> tuple[np.memmap, dict]:
     path = os.path.join(directory, TOKENS)
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     expected = meta["n_tokens"] * dtype.itemsize
-    if not os.path.isfile(path) or os.path.getsize(path) != expected:
-        raise ValueError(f"data={directory!r}: {TOKENS} should hold {expected} bytes "
-                         f"({meta['n_tokens']} tokens); it is missing or truncated")
+    if not os.path.isfile(path):
+        raise ValueError(f"data={directory!r} has no {TOKENS} (its {META} says "
+                         f"{meta['n_tokens']} tokens); allowed: a directory written by "
+                         "`python -m dtlib.train.data prepare`")
+    if os.path.getsize(path) != expected:
+        raise ValueError(f"data={directory!r}: {TOKENS} holds "
+                         f"{os.path.getsize(path)} bytes, its {META} says {expected} "
+                         f"({meta['n_tokens']} tokens of {dtype.itemsize} bytes): "
+                         "truncated or replaced; prepare it again")
     return np.memmap(path, dtype=dtype, mode="r", shape=(meta["n_tokens"],)), meta
