@@ -207,9 +207,9 @@ def test_train_epoch_reads_the_callers_loader() -> None:
     loader = DataLoader(data, batch_size=4, collate_fn=pad_collate)
     sizes: list[int] = []
 
-    def recording_loss(model, micro_batch):  # noqa: ANN001, ANN202
-        sizes.append(micro_batch[0].shape[0])
-        return token_loss_sum(model, micro_batch)
+    def recording_loss(model, idx, targets):  # noqa: ANN001, ANN202
+        sizes.append(idx.shape[0])
+        return token_loss_sum(model, idx, targets)
 
     model = build_gpt(TINY)
     stats = train_epoch(ONE, model, torch.optim.SGD(model.parameters(), lr=0.1),

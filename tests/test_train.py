@@ -116,9 +116,9 @@ def one_process(*argv: str) -> dict:
             ddist.destroy()
 
 
-def _missing_x_n(model: nn.Module, micro_batch) -> torch.Tensor:
+def _missing_x_n(model: nn.Module, *micro_batch) -> torch.Tensor:
     """The planted defect: the summed loss without DDP's x N undone."""
-    return _TOKEN_LOSS(model, micro_batch) / dist.get_world_size()
+    return _TOKEN_LOSS(model, *micro_batch) / dist.get_world_size()
 
 
 _TOKEN_LOSS = train_job.token_loss
@@ -131,11 +131,11 @@ class _SignalDuring:
     def __init__(self, step: int) -> None:
         self.step, self.calls = step, 0
 
-    def __call__(self, model: nn.Module, micro_batch) -> torch.Tensor:
+    def __call__(self, model: nn.Module, *micro_batch) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.step and dist.get_rank() == 0:
             os.kill(os.getpid(), signal.SIGTERM)
-        return _TOKEN_LOSS(model, micro_batch)
+        return _TOKEN_LOSS(model, *micro_batch)
 
 
 class _CrashDuringSave:
@@ -148,7 +148,7 @@ class _CrashDuringSave:
         self.step, self.ckpt_dir, self.snapshot, self.calls = step, ckpt_dir, \
             snapshot, 0
 
-    def __call__(self, model: nn.Module, micro_batch) -> torch.Tensor:
+    def __call__(self, model: nn.Module, *micro_batch) -> torch.Tensor:
         self.calls += 1
         writer = torch.distributed.checkpoint.FileSystemWriter
         if dist.get_rank() == 0 and self.calls == 1:  # hold step `step`'s writer
@@ -167,7 +167,7 @@ class _CrashDuringSave:
             shutil.copytree(self.ckpt_dir, self.snapshot)
             writer.finish = self.original
             self.release.set()
-        return _TOKEN_LOSS(model, micro_batch)
+        return _TOKEN_LOSS(model, *micro_batch)
 
 
 def rank_runs(plan: list) -> dict:

@@ -19,21 +19,23 @@ large batch's gradient. ``T_global`` needs one all-reduce of a single integer pe
 group (ranks hold different numbers of tokens).
 All micro-batches but the last run inside ``par.grad_sync(model, on=False)`` (DDP's
 ``no_sync``, FSDP2's ``set_requires_gradient_sync``): one gradient synchronisation per
-optimizer step, not one per micro-batch (ERRATA 31). ``accumulation_step`` hands the
-same function to the one loop, :func:`~dtlib.models.run.run_steps`.
+optimizer step, not one per micro-batch (ERRATA 31). Each micro-batch's forward and
+backward is the technique's own ``par.forward_backward(..., scale=N / T)``, so what a
+technique changes there (a 16-bit working copy, an engine's backward) happens under
+accumulation too; a technique that splits batches itself (a pipeline) refuses in
+``par.check_accumulation``. ``accumulation_step`` hands the same function to the one
+loop, :func:`~dtlib.models.run.run_steps`.
 
 Taught in: Chapter 8, "Gradient accumulation".
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -42,7 +44,7 @@ from dtlib.runtime import dist as ddist
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it are padding
 MicroBatch = Sequence[torch.Tensor]  # (idx, targets), both (batch, seq)
-LossFn = Callable[[nn.Module, MicroBatch], torch.Tensor]
+LossFn = Callable[..., torch.Tensor]  # loss_fn(model, idx, targets), as everywhere
 
 
 def count_tokens(micro_batch: MicroBatch, ignore_index: int = IGNORE_INDEX) -> int:
@@ -62,23 +64,24 @@ def count_tokens(micro_batch: MicroBatch, ignore_index: int = IGNORE_INDEX) -> i
     return int((micro_batch[1] != ignore_index).sum())
 
 
-def token_loss_sum(model: nn.Module, micro_batch: MicroBatch,
+def token_loss_sum(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
                    ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Summed (not averaged) cross-entropy over the real tokens of a micro-batch.
 
     Args:
         model: returns logits ``(batch, seq, vocab)`` from ``model(idx)``.
-        micro_batch: ``(idx, targets)``.
+        idx, targets: the micro-batch, ``(batch, seq)`` each.
         ignore_index: padding targets, left out of the sum.
     Returns:
-        A scalar tensor: the sum of per-token losses (0 when all is padding).
+        A scalar fp32 tensor: the sum of per-token losses (0 when all is padding);
+        the log-softmax runs in fp32 whatever the logits' dtype, as autocast runs it.
 
     Taught in: Chapter 8, "Normalise by tokens".
     """
-    idx, targets = micro_batch
     logits = model(idx)  # (batch, seq, vocab)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                           ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                           targets.reshape(-1), ignore_index=ignore_index,
+                           reduction="sum")
 
 
 def _check_accum_steps(accum_steps: Any) -> None:
@@ -140,9 +143,7 @@ def _token_counts(group: Sequence[MicroBatch], par: Parallelism,
             raise ValueError(f"micro_batch has {len(mb)} items; expected "
                              "(idx, targets)")
     local = sum((mb[1] != ignore_index).sum() for mb in group).reshape(1)
-    total = local.clone()
-    if par.dp_size > 1:
-        dist.all_reduce(total, group=par.dp_group)
+    total = par.sum_over_dp(local.clone())
     mine, everyone = torch.cat([local, total]).tolist()
     return int(mine), int(everyone)
 
@@ -163,34 +164,46 @@ def accumulate_gradients(par: Parallelism, model: nn.Module,
         model: ``par.apply(...)``'s result (DDP, FSDP2, ZeRO-3 or a plain module).
         group: the micro-batches ``(idx, targets)`` of one optimizer step (non-empty;
             every rank must pass the same number).
-        loss_fn: ``loss_fn(model, micro_batch)`` -> summed per-token loss.
+        loss_fn: ``loss_fn(model, idx, targets)`` -> summed per-token loss.
         scaler: a ``torch.amp.GradScaler`` (fp16) or None.
         autocast_dtype: run forward under ``torch.autocast`` with this dtype, or None.
         ignore_index: padding marker in the targets.
     Returns:
         :class:`GroupStats` (the token counts cost the step's one host read).
+    Raises:
+        ValueError: an empty group, no real token, or a technique that cannot
+            accumulate (``par.check_accumulation``).
 
     Taught in: Chapter 8, "The fix, in one function".
     """
     if len(group) == 0:
         raise ValueError("group is empty; pass at least one micro-batch")
+    par.check_accumulation(len(group))
     local, total = _token_counts(group, par, ignore_index)
     if total == 0:
         raise ValueError("the accumulated batch has no real tokens (all padding)")
     scale = par.dp_size / total  # backward averages over dp_size: multiply it back
-    device = ddist.world().device
+    forward = _autocast(loss_fn, autocast_dtype)
     sums = []
     for i, micro_batch in enumerate(group):
-        last = i == len(group) - 1
-        autocast = (torch.autocast(device.type, dtype=autocast_dtype)
-                    if autocast_dtype is not None else contextlib.nullcontext())
-        with par.grad_sync(model, on=last):  # one synchronisation per step
-            with autocast:
-                loss = loss_fn(model, micro_batch)
-            scaled = loss.float() * scale
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        sums.append(loss.detach().float())
+        with par.grad_sync(model, on=i == len(group) - 1):  # one sync per step
+            loss = par.forward_backward(model, micro_batch, forward, scale=scale,
+                                        scaler=scaler)
+        sums.append(loss.float())
     return GroupStats(torch.stack(sums).sum(), local, total, len(group))
+
+
+def _autocast(loss_fn: LossFn, dtype: torch.dtype | None) -> LossFn:
+    """``loss_fn`` with its forward under ``torch.autocast(dtype)`` (backward then
+    runs outside it, as the autocast recipe has it); ``loss_fn`` itself for None."""
+    if dtype is None:
+        return loss_fn
+    device = ddist.world().device
+
+    def forward(model: nn.Module, *batch: Any) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype):
+            return loss_fn(model, *batch).float()
+    return forward
 
 
 class AccumulationStep:
@@ -248,7 +261,7 @@ def accumulation_step(accum_steps: int, loss_fn: LossFn = token_loss_sum, *,
     Args:
         accum_steps: micro-batches per optimizer step (>= 1): how a tuple batch is
             split (a list of micro-batches is used as it is).
-        loss_fn: ``loss_fn(model, micro_batch)`` -> summed per-token loss.
+        loss_fn: ``loss_fn(model, idx, targets)`` -> summed per-token loss.
         ignore_index: padding marker in the targets.
         autocast_dtype: forward under ``torch.autocast`` with this dtype, or None
             (or pass ``autocast_dtype=`` to ``run_steps``, which wraps the step).

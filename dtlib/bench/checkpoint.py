@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m dtlib.bench checkpoint``."""
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--strategy", default="fsdp", choices=("ddp", "fsdp"),
-                        help="ddp or fsdp (both save through DCP; async: dcp.async_save)")
+                        help="ddp or fsdp (both save through DCP; async: "
+                        "dcp.async_save)")
     parser.add_argument("--saves", type=int, default=3, help="saves per mode")
     parser.add_argument("--steps", type=int, default=3,
                         help="training steps before and after each save")

@@ -12,6 +12,15 @@ nothing else.
   not (``on=False``) synchronise gradients (DDP's ``no_sync``, FSDP2's
   ``set_requires_gradient_sync``, ZeRO's hooks): gradient accumulation asks it.
 
+Backward runs in one place, ``forward_backward(wrapped, micro_batch, loss_fn,
+scale)``: the default step calls it once (``scale`` 1), Chapter 8's accumulation once
+per micro-batch (``scale``: the normaliser of the accumulated batch), so a technique
+that changes how backward runs (mixed precision's 16-bit copy, a pipeline schedule, an
+engine's ``backward``) does so under both. A technique that cannot accumulate this
+way says so in ``check_accumulation`` (a pipeline splits its batch into micro-batches
+itself) and the step raises, naming both. Every loss function has one signature,
+``loss_fn(model, *batch)``.
+
 The base class *is* the identity: ``Parallelism()`` is one process training on the
 whole batch, the reference every parallel run is proven against. :func:`run_steps` is
 the loop; a technique overrides only what it changes (``make_optimizer`` for a sharded
@@ -40,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.runtime import dist as ddist
@@ -146,16 +156,32 @@ class Parallelism:
 
     def forward_backward(self, wrapped: nn.Module, batch: Batch, loss_fn: LossFn,
                          scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
-        """Forward and backward of one (local) batch; returns the detached loss.
+        """Forward and backward of one (local) micro-batch: the only place backward
+        runs. Gradients *add* to ``.grad`` (accumulation calls it once per
+        micro-batch, inside ``grad_sync``). Returns the detached, unscaled loss.
 
         Args:
-            scale: multiplies the loss before backward (a normaliser).
+            batch: the arguments of ``loss_fn`` after the model (``(idx, targets)``).
+            loss_fn: ``loss_fn(wrapped, *batch)`` -> a scalar loss.
+            scale: multiplies the loss before backward (accumulation's normaliser).
             scaler: a ``torch.amp.GradScaler`` (fp16) or None.
         """
         loss = loss_fn(wrapped, *batch)
         scaled = loss * scale if scale != 1.0 else loss
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         return loss.detach()
+
+    def check_accumulation(self, micro_batches: int) -> None:
+        """Raise ValueError, naming this technique and accumulation, when the
+        technique cannot take one step's gradients as ``micro_batches`` calls of
+        :meth:`forward_backward` (identity: it can)."""
+
+    def sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the data-parallel ranks, in place (accumulation's token
+        count: every rank needs the global batch's)."""
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the (global) gradient norm to ``max_norm``; returns the norm before."""

@@ -145,6 +145,16 @@ class PipelineParallel(Parallelism):
         self.torch_schedule = cls(pstage, self.n_micro, loss_fn=loss_fn, **kwargs)
         return stage
 
+    def check_accumulation(self, micro_batches: int) -> None:
+        """A pipeline's schedule already splits each batch into ``n_micro``
+        micro-batches and accumulates their gradients: Chapter 8's accumulation
+        on top would run the schedule, bubble and all, once per micro-batch."""
+        raise ValueError(
+            f"gradient accumulation over {micro_batches} micro-batch(es) with "
+            f"{self.name}: a pipeline splits its batch into n_micro={self.n_micro} "
+            "micro-batches itself; allowed: the default step, with n_micro = "
+            f"{self.n_micro} x {micro_batches} for the same accumulated batch")
+
     def forward_backward(self, wrapped: nn.Module, batch: Batch, loss_fn: Any,
                          scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
         if loss_fn is not gpt_loss:

@@ -52,11 +52,15 @@ class ManualMixedPrecision:
         self.dtype = dtype
 
     def backward(self, idx: torch.Tensor, targets: torch.Tensor,
-                 loss_weight: float = 1.0) -> torch.Tensor:
-        """Copy weights down, forward and backward in 16 bits, cast gradients up.
+                 loss_weight: float = 1.0, loss_fn: Any = None) -> torch.Tensor:
+        """Copy weights down, forward and backward in 16 bits, cast gradients up
+        and add them to the master's ``.grad`` (several calls accumulate).
 
         Args:
-            loss_weight: multiplies the loss before backward (1 in training).
+            loss_weight: multiplies the loss before backward (1 in training; the
+                normaliser under gradient accumulation).
+            loss_fn: ``loss_fn(low_model, idx, targets)``; None: the mean
+                cross-entropy of the 16-bit logits, its log-softmax in fp32.
         Returns:
             The (unscaled, unweighted) loss, fp32. Master ``.grad`` holds fp32
             gradients, still multiplied by the scaler's S if there is one.
@@ -65,14 +69,19 @@ class ManualMixedPrecision:
             for lo, hi in zip(self.low.parameters(), self.master.parameters()):
                 lo.copy_(hi)  # rounds fp32 -> 16 bit
         self.low.zero_grad(set_to_none=True)
-        logits = self.low(idx)  # (batch, seq, vocab), 16 bit
-        # The loss's log-softmax runs in fp32, as autocast does it.
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
-                               targets.reshape(-1))
+        if loss_fn is None:
+            logits = self.low(idx)  # (batch, seq, vocab), 16 bit
+            # The loss's log-softmax runs in fp32, as autocast does it.
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                   targets.reshape(-1))
+        else:
+            loss = loss_fn(self.low, idx, targets).float()
         weighted = loss * loss_weight
         (self.scaler.scale(weighted) if self.scaler else weighted).backward()
         for lo, hi in zip(self.low.parameters(), self.master.parameters()):
-            hi.grad = None if lo.grad is None else lo.grad.float()
+            if lo.grad is not None:
+                up = lo.grad.float()
+                hi.grad = up if hi.grad is None else hi.grad + up
         return loss.detach()
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor,
@@ -111,12 +120,12 @@ class ManualPrecision(Parallelism):
 
     def forward_backward(self, wrapped: nn.Module, batch: Batch, loss_fn: Any,
                          scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
-        if loss_fn is not gpt_loss:
-            raise ValueError("loss_fn: the 16-bit copy computes the GPT's own loss "
-                             "(cross-entropy in fp32)")
         idx, targets = batch
         self.mp.scaler = scaler  # the loop unscales, steps and updates it
-        return self.mp.backward(idx, targets, loss_weight=scale)
+        # gpt_loss: the GPT's mean cross-entropy, its log-softmax in fp32; any
+        # other loss (accumulation's summed one) runs on the 16-bit copy as given
+        return self.mp.backward(idx, targets, loss_weight=scale,
+                                loss_fn=None if loss_fn is gpt_loss else loss_fn)
 
 
 def parallelism(dtype: torch.dtype = torch.bfloat16) -> ManualPrecision:
@@ -193,6 +202,7 @@ def flushed_fraction(dtype: torch.dtype, loss_scale: float = 1.0, *,
     scaler = DynamicLossScaler(init_scale=loss_scale) if loss_scale != 1.0 else None
     mp = ManualMixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0),
                               dtype, scaler)
+    model.zero_grad(set_to_none=True)  # mp.backward adds to the master's .grad
     mp.backward(idx, tgt, loss_weight)
     low = torch.cat([p.grad.flatten() for p in model.parameters()]) / loss_scale
     nonzero = ref != 0
@@ -262,6 +272,7 @@ def gradient_underflow(dtype: torch.dtype, batches: tuple[int, ...] = (4, 64, 10
         scaler = DynamicLossScaler(init_scale=loss_scale) if loss_scale != 1.0 else None
         mp = ManualMixedPrecision(model, None, dtype, scaler)
         low_acts, handles = _record_block_grads(mp.low)
+        model.zero_grad(set_to_none=True)  # mp.backward adds to the master's .grad
         mp.backward(idx, tgt)
         for h in handles:
             h.remove()

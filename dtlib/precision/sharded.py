@@ -65,10 +65,17 @@ class SimulatedRanks(Parallelism):
         self.world_size = world_size
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.name = f"simulated-{world_size}"
+        # backward averages over the simulated ranks, as data parallelism does
+        # (accumulation's normaliser multiplies it back); they live in this process
+        self.dp_size = world_size
 
     def apply(self, model: nn.Module) -> nn.Module:
         self.low = copy.deepcopy(model).to(self.param_dtype)  # keeps ties tied
         return model
+
+    def sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """The simulated ranks' tokens are all in this process: no collective."""
+        return t
 
     def forward_backward(self, wrapped: nn.Module, batch: Batch, loss_fn: Any,
                          scale: float = 1.0, scaler: Any = None) -> torch.Tensor:

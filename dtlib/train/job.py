@@ -215,13 +215,13 @@ def lr_lambda(step: int, warmup: int, steps: int, min_lr_ratio: float) -> float:
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def token_loss(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
+def token_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor
+               ) -> torch.Tensor:
     """Summed fp32 cross-entropy of a micro-batch (the GPT's logits or a HF model's
     ``ModelOutput``): what Chapter 8's accumulation normalises by the global tokens.
 
     Taught in: Chapter 10, "The script's structure".
     """
-    idx, targets = micro_batch
     logits = logits_of(model(idx))
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                            reduction="sum")

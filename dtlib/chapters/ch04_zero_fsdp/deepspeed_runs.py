@@ -203,6 +203,15 @@ class DeepSpeedParallelism(Parallelism):
     def local_batch(self, batch: Batch) -> Batch:
         return rows_of_rank(batch, self.dp_rank, self.dp_size)
 
+    def check_accumulation(self, micro_batches: int) -> None:
+        """DeepSpeed's engine accumulates itself: ``gradient_accumulation_steps``
+        in its config decides when its ``step`` reduces and steps."""
+        raise ValueError(
+            f"gradient accumulation over {micro_batches} micro-batch(es) with "
+            f"{self.name}: the DeepSpeed engine accumulates by its own config; "
+            "allowed: the default step, with gradient_accumulation_steps in the "
+            "engine's config")
+
     def forward_backward(self, wrapped: Any, batch: Batch, loss_fn: Any,
                          scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
         loss = loss_fn(wrapped, *batch)

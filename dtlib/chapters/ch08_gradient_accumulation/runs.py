@@ -164,9 +164,8 @@ def local_tokens_accumulate(par: Parallelism, model: nn.Module,
     sums = []
     for i, micro_batch in enumerate(group):
         with par.grad_sync(model, on=i == len(group) - 1):
-            loss = token_loss_sum(model, micro_batch)
-            (loss / local).backward()
-        sums.append(loss.detach())
+            sums.append(par.forward_backward(model, micro_batch, token_loss_sum,
+                                             scale=1 / local))
     return torch.stack(sums).sum() / local
 
 
