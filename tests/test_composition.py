@@ -277,3 +277,28 @@ def test_deepspeed_refuses_accumulation_naming_both(one_rank):
     par = DeepSpeedParallelism(2, 2, torch.optim.SGD, {"lr": LR}, STEPS)
     with pytest.raises(ValueError, match="deepspeed-2.*DeepSpeed engine accumulates"):
         accumulation_step(2)(par, None, [(), ()])
+
+
+def test_fsdp2s_gradient_sync_switch_is_restored_on_leaving():
+    """The one switch of every FSDP2 layout: off inside the block, on after it,
+    even when the block raises; a module that is not FSDP2's is left alone."""
+    from dtlib.zero.fsdp import gradient_sync
+
+    class Switch(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[bool] = []
+
+        def set_requires_gradient_sync(self, on: bool) -> None:
+            self.calls.append(on)
+
+    m = Switch()
+    with gradient_sync(m, False):
+        assert m.calls == [False]
+    assert m.calls == [False, True]
+    with pytest.raises(RuntimeError):
+        with gradient_sync(m, False):
+            raise RuntimeError("a failing micro-batch")
+    assert m.calls == [False, True, False, True]
+    with gradient_sync(torch.nn.Linear(2, 2), False):
+        pass  # no switch to turn: nothing happens

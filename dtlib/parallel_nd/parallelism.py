@@ -33,7 +33,7 @@ from dtlib.parallel_nd.compose import (average_across_replicas, data_shard, fsdp
 from dtlib.parallel_nd.grid import GridGroups
 from dtlib.pipeline_parallel.parallelism import PipelineParallel
 from dtlib.tensor_parallel.gpt import full_tensors, tensor_parallelize
-from dtlib.zero.fsdp import fully_shard
+from dtlib.zero.fsdp import fully_shard, gradient_sync
 
 __all__ = ["LAYOUTS", "parallelism", "TpDp", "FsdpTp", "Hsdp", "PpDp", "FsdpPp",
            "clip_grad_norm_nd"]
@@ -83,14 +83,6 @@ def _mean_over(loss: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     if size > 1:
         dist.all_reduce(mean, group=group)
     return mean / size
-
-
-def _fsdp_sync(wrapped: nn.Module, on: bool) -> ContextManager[None]:
-    """FSDP2's switch for the gradient reduction (``set_requires_gradient_sync``)."""
-    setter = getattr(wrapped, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(on)
-    return contextlib.nullcontext()
 
 
 def _grid(grid: Any, need: tuple[str, ...], allowed: tuple[str, ...]) -> GridGroups:
@@ -161,7 +153,7 @@ class FsdpTp(Parallelism):
         return full_tensors(unwrap(wrapped), grads=grads)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
-        return _fsdp_sync(wrapped, on)
+        return gradient_sync(wrapped, on)
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
@@ -186,7 +178,7 @@ class Hsdp(Parallelism):
         return _rows(batch, self.rank, self.dp_size)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
-        return _fsdp_sync(wrapped, on)
+        return gradient_sync(wrapped, on)
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
@@ -281,7 +273,7 @@ class FsdpPp(PipelineParallel):
         return _rows(batch, self.dp_rank, self.dp_size)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
-        return _fsdp_sync(wrapped, on)
+        return gradient_sync(wrapped, on)
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return _mean_over(loss, self.dp_group, self.dp_size)  # pp ranks agree

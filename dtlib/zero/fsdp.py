@@ -12,7 +12,8 @@ Taught in: Chapter 4, "FSDP2".
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,7 @@ from dtlib.zero.flat_params import default_unit_modules
 from dtlib.zero.shards import storage_bytes
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "shard_fsdp2", "bf16_policy",
-           "fsdp_state_bytes", "full_parameters", "DEEPSPEED_TO_FSDP"]
+           "fsdp_state_bytes", "full_parameters", "DEEPSPEED_TO_FSDP", "gradient_sync"]
 
 
 def bf16_policy() -> MixedPrecisionPolicy:
@@ -133,3 +134,22 @@ DEEPSPEED_TO_FSDP: list[dict[str, str]] = [
     {"DeepSpeed": "gradient_accumulation_steps",
      "FSDP2": "set_requires_gradient_sync(False) on all but the last micro-batch"},
 ]
+
+
+@contextlib.contextmanager
+def gradient_sync(wrapped: nn.Module, on: bool) -> Iterator[None]:
+    """FSDP2's gradient reduction switched ``on`` or off for the block
+    (``set_requires_gradient_sync``), and back on after it: the one switch every
+    FSDP2 layout's ``grad_sync`` uses (a module that is not FSDP2's: no switch).
+
+    Taught in: Chapter 8, "Accumulation under DDP" (FSDP2's ``no_sync``).
+    """
+    setter = getattr(wrapped, "set_requires_gradient_sync", None)
+    if setter is None:
+        yield
+        return
+    setter(on)
+    try:
+        yield
+    finally:
+        setter(True)

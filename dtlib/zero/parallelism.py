@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from dtlib.data_parallel.parallelism import rows_of_rank
 from dtlib.models.run import Batch, Parallelism, full_tensor, tensors_by_name
-from dtlib.zero.fsdp import MixedPrecisionPolicy, fsdp_state_bytes, shard_fsdp2
+from dtlib.zero.fsdp import (MixedPrecisionPolicy, fsdp_state_bytes, gradient_sync,
+                             shard_fsdp2)
 from dtlib.zero.optimizer import ShardedOptimizer
 from dtlib.zero.stage3 import FullyShardedModule
 
@@ -142,14 +143,7 @@ class FSDP2Parallelism(_DataParallelRows):
                            self.reshard_after_forward, self.mesh)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
-        @contextlib.contextmanager
-        def sync() -> Any:
-            wrapped.set_requires_gradient_sync(on)
-            try:
-                yield
-            finally:
-                wrapped.set_requires_gradient_sync(True)
-        return sync()
+        return gradient_sync(wrapped, on)
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         # torch's clip works on DTensors; the norm it returns may be one
