@@ -201,6 +201,20 @@ def test_a_one_file_checkpoint_and_another_runs_log_are_refused(made, copy_of,
     assert not (tmp_path / "new").exists()
 
 
+def test_a_free_change_is_printed_once(copy_of):
+    """World size, strategy, logging: not part of what the tensors are; a resume
+    that changes them says so in one line."""
+    ckpt = copy_of("ddp")
+    code, out, err = run(*BASE, "--log-every", "3", "--eval-every", "2",
+                         "--ckpt-dir", ckpt)
+    assert code == 0, err
+    said = [line for line in out.splitlines() if "not part of the run's identity" in
+            line]
+    assert len(said) == 1, out
+    assert "--log-every 1 -> --log-every 3" in said[0]
+    assert "--eval-every 0 -> --eval-every 2" in said[0]
+
+
 def test_the_same_command_resumes_and_keeps_every_earlier_file(made, copy_of):
     ckpt = copy_of("ddp")
     before = hashes(ckpt)
@@ -226,6 +240,7 @@ def test_another_strategy_resumes_the_same_directory(source, to, copy_of):
     assert code == 0, err
     assert "damaged" not in out + err
     assert f"--strategy {source} -> --strategy {to}" in out, out
+    assert "--log-every 1 -> --log-every 1" not in out  # only what differs
     after = hashes(ckpt)
     assert all(after[k] == v for k, v in before.items() if k != "train_log.jsonl")
     saved = json.load(open(os.path.join(ckpt, "step00000006", IDENTITY)))

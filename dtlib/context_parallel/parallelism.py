@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.context_parallel.gpt import (ContextParallelGPT, average_cp_grads,
@@ -60,14 +58,6 @@ class ContextParallel(Parallelism):
         yield
         if on:
             average_cp_grads(unwrap(wrapped), self.group)
-
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of the ranks' mean losses: the mean over every token."""
-        if self.dp_size == 1:
-            return loss
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=self.group)
-        return total / self.dp_size
 
 
 def parallelism(*, group: Any = None) -> ContextParallel:

@@ -120,13 +120,6 @@ class DataParallelism(Parallelism):
         """``no_sync()`` of either DDP when ``on`` is False."""
         return contextlib.nullcontext() if on else wrapped.no_sync()
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of the ranks' losses: the global batch's loss (equal shares)."""
-        mean = loss.detach().float().clone()
-        if self.dp_size > 1:
-            dist.all_reduce(mean, group=self.dp_group)
-        return mean / self.dp_size
-
 
 def parallelism(variant: str = "torch", *, group: Any = None,
                 bucket_cap_mb: float = 25.0, timeline: bool = False

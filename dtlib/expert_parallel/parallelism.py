@@ -109,12 +109,6 @@ class ExpertParallel(Parallelism):
             _sum_grads(expert_params(model), self.edp_group, self.edp,
                        self.world_size)
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean of the ranks' losses (equal token counts: the global mean)."""
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total / self.world_size
-
     def full_state(self, wrapped: nn.Module, grads: bool = False
                    ) -> dict[str, torch.Tensor]:
         """Full parameters (or gradients) by one-process name; experts gathered."""

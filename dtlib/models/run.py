@@ -24,9 +24,10 @@ itself) and the step raises, naming both. Every loss function has one signature,
 The base class *is* the identity: ``Parallelism()`` is one process training on the
 whole batch, the reference every parallel run is proven against. :func:`run_steps` is
 the loop; a technique overrides only what it changes (``make_optimizer`` for a sharded
-optimizer, ``forward_backward`` for a pipeline schedule, ``global_loss`` for the
-reduction of the logged loss). Each technique package exports one factory for its
-Parallelism (``data_parallel.parallelism``, ``zero.parallelism``, ...).
+optimizer, ``forward_backward`` for a pipeline schedule, ``global_loss`` where the
+logged loss is not the mean over ``dp_size`` data-parallel ranks). Each technique
+package exports one factory for its Parallelism (``data_parallel.parallelism``,
+``zero.parallelism``, ...).
 
 The loop, read once::
 
@@ -189,8 +190,16 @@ class Parallelism:
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss of the whole global batch from this rank's ``loss`` (a tensor;
-        the caller reads it once per step). Identity: the loss itself."""
-        return loss
+        the caller reads it once per step): the mean over the ``dp_size``
+        data-parallel ranks of ``dp_group``, each holding an equal share (one
+        process: the loss itself). Averaged in at least float32 (a 16-bit loss in
+        float32), never narrower than the loss (a float64 run stays float64); a
+        DTensor loss is made full first."""
+        mean = full_tensor(loss).detach()
+        mean = mean.to(torch.promote_types(mean.dtype, torch.float32)).clone()
+        if self.dp_size > 1:
+            dist.all_reduce(mean, group=self.dp_group)
+        return mean / self.dp_size
 
 
 @dataclass

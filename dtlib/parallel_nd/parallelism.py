@@ -74,17 +74,6 @@ def _rows(batch: Batch, index: int, parts: int) -> Batch:
     return tuple(data_shard(t, index, parts) for t in batch)
 
 
-def _mean_over(loss: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-    """The mean of every replica's loss (the ranks of ``group`` hold one each)."""
-    # at least float32 (a 16-bit loss is averaged in float32), never narrower than
-    # the loss itself: a float64 run stays float64
-    loss = full_tensor(loss).detach()
-    mean = loss.to(torch.promote_types(loss.dtype, torch.float32)).clone()
-    if size > 1:
-        dist.all_reduce(mean, group=group)
-    return mean / size
-
-
 def _grid(grid: Any, need: tuple[str, ...], allowed: tuple[str, ...]) -> GridGroups:
     names = getattr(grid, "names", None)
     if not isinstance(grid, GridGroups) or not set(need) <= set(names) \
@@ -124,8 +113,6 @@ class TpDp(Parallelism):
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
         return contextlib.nullcontext() if on else wrapped.no_sync()
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return _mean_over(loss, self.dp_group, self.dp_size)
 
 
 class FsdpTp(Parallelism):
@@ -158,8 +145,6 @@ class FsdpTp(Parallelism):
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return _mean_over(loss, self.dp_group, self.dp_size)  # tp ranks agree
 
 
 class Hsdp(Parallelism):
@@ -183,8 +168,6 @@ class Hsdp(Parallelism):
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return _mean_over(loss, None, self.dp_size)
 
 
 class PpDp(PipelineParallel):
@@ -240,8 +223,6 @@ class PpDp(PipelineParallel):
                              "split layer needs its tp group)")
         return super().clip_grad_norm(wrapped, max_norm)
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return _mean_over(loss, self.dp_group, self.dp_size)  # pp, tp ranks agree
 
 
 class FsdpPp(PipelineParallel):
@@ -275,8 +256,6 @@ class FsdpPp(PipelineParallel):
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
         return gradient_sync(wrapped, on)
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return _mean_over(loss, self.dp_group, self.dp_size)  # pp ranks agree
 
 
 def parallelism(layout: str, *, mesh: Any = None, grid: Any = None,

@@ -77,6 +77,10 @@ class SimulatedRanks(Parallelism):
         """The simulated ranks' tokens are all in this process: no collective."""
         return t
 
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``forward_backward`` already returns the simulated ranks' mean."""
+        return loss
+
     def forward_backward(self, wrapped: nn.Module, batch: Batch, loss_fn: Any,
                          scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
         with torch.no_grad():

@@ -27,7 +27,7 @@ from dtlib.runtime import worker
 BACKENDS = ("gloo", "nccl")
 #: Seconds a collective may wait for its peers before the group raises. Long enough for
 #: a slow first NCCL communicator, short enough that a deadlock becomes an error.
-DEFAULT_TIMEOUT_S = float(os.environ.get("DTLIB_COLLECTIVE_TIMEOUT", "300"))
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("DTLIB_COLLECTIVE_TIMEOUT", "300"))
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def init(
     if why and local_rank == 0:
         print(why, file=sys.stderr, flush=True)
     if timeout is None:
-        timeout = DEFAULT_TIMEOUT_S
+        timeout = COLLECTIVE_TIMEOUT_S
     if not isinstance(timeout, timedelta):
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")

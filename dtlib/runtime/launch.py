@@ -40,13 +40,15 @@ from dtlib.runtime.supervise import (CollectiveMismatch, LaunchError, LaunchResu
 __all__ = ["torchrun", "spawn", "spawn_script", "default_nproc", "LaunchError",
            "LaunchTimeout", "CollectiveMismatch",
            "LaunchResult", "kill_tree", "threads_per_rank", "CPU_NPROC",
-           "DEFAULT_TIMEOUT_S"]
+           "LAUNCH_TIMEOUT_S"]
 
 #: Ranks on a machine without GPUs. Four is the smallest world where ring, tree and
 #: sharding patterns are not degenerate; gloo ranks spend most time waiting for each
 #: other, so four processes on two cores run fine with one thread each.
 CPU_NPROC = 4
-DEFAULT_TIMEOUT_S = 120.0
+#: Seconds a launch's ranks may run once every rank has joined (start-up has its
+#: own STARTUP_S); a collective's own limit is dist.COLLECTIVE_TIMEOUT_S.
+LAUNCH_TIMEOUT_S = 120.0
 _POLL_S = 0.02
 
 
@@ -57,7 +59,7 @@ def default_nproc() -> int:
 
 
 def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
-             timeout: float = DEFAULT_TIMEOUT_S, module: bool = False,
+             timeout: float = LAUNCH_TIMEOUT_S, module: bool = False,
              stream: bool = True, label: str | None = None,
              env: dict[str, str] | None = None) -> LaunchResult:
     """Run ``target`` on ``nproc`` ranks under torchrun and wait for it.
@@ -254,7 +256,7 @@ def _sendable(fn: Callable[..., Any]) -> Callable[..., Any] | _ByValue:
 
 
 def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
-          timeout: float = DEFAULT_TIMEOUT_S, backend: str | None = None,
+          timeout: float = LAUNCH_TIMEOUT_S, backend: str | None = None,
           stream: bool = True, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's value.
 
@@ -286,7 +288,7 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
 
 
 def spawn_script(script: str | os.PathLike, *args: str, nproc: int | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S, stream: bool = True,
+                 timeout: float = LAUNCH_TIMEOUT_S, stream: bool = True,
                  label: str | None = None) -> LaunchResult:
     """Run the script ``script`` on ``nproc`` ranks forked from the warm server: what
     :func:`torchrun` does with it, without torchrun's start-up.

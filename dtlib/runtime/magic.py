@@ -43,7 +43,7 @@ def _launch_options(method: Callable) -> Callable:
                      "sys.argv[1:]"),
             argument("--quiet", action="store_true",
                      help="do not stream the ranks' output"),
-            argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT_S,
+            argument("--timeout", type=float, default=launch.LAUNCH_TIMEOUT_S,
                      help="seconds the ranks may run once all have joined the world"),
             argument("-n", "--nproc", type=int, default=None,
                      help="ranks to start (default: GPUs, else 4)"),

@@ -76,6 +76,10 @@ RULES: dict[str, tuple[str, str]] = {
     "accum_steps": ("free", "--accum-steps"),
     "attention": ("free", "--attention"),
     "recompute": ("free", "--recompute"),
+    "log_every": ("free", "--log-every"),
+    "eval_every": ("free", "--eval-every"),
+    "save_every": ("free", "--save-every"),
+    "keep_last": ("free", "--keep-last"),
     "dtlib": ("free", "dtlib"),
     "torch": ("free", "torch"),
 }
@@ -156,7 +160,9 @@ def run_identity(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         "precision": cfg.precision, "strategy": cfg.strategy,
         "world_size": world_size, "micro_batch": cfg.micro_batch,
         "accum_steps": cfg.accum_steps, "attention": cfg.attention,
-        "recompute": cfg.recompute, "dtlib": dtlib.__version__,
+        "recompute": cfg.recompute, "log_every": cfg.log_every,
+        "eval_every": cfg.eval_every, "save_every": cfg.save_every,
+        "keep_last": cfg.keep_last, "dtlib": dtlib.__version__,
         "torch": torch.__version__.split("+")[0],
     }
     if shape is not None:  # the file's shape replaces the size flags

@@ -44,13 +44,6 @@ class _DataParallelRows(Parallelism):
     def local_batch(self, batch: Batch) -> Batch:
         return rows_of_rank(batch, self.dp_rank, self.dp_size)
 
-    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.dp_size == 1:
-            return loss
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=self.dp_group)  # equal rows: mean of the means
-        return total / self.dp_size
-
 
 class ZeroParallelism(_DataParallelRows):
     """The book's ZeRO at ``stage`` 1, 2 (:class:`ShardedOptimizer`) or 3
