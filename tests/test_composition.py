@@ -272,7 +272,7 @@ def test_bf16_runs_under_accumulation(references):
 
 
 def test_deepspeed_refuses_accumulation_naming_both(one_rank):
-    from dtlib.chapters.ch04_zero_fsdp.deepspeed_runs import DeepSpeedParallelism
+    from dtlib.zero.deepspeed_engine import DeepSpeedParallelism
 
     par = DeepSpeedParallelism(2, 2, torch.optim.SGD, {"lr": LR}, STEPS)
     with pytest.raises(ValueError, match="deepspeed-2.*DeepSpeed engine accumulates"):

@@ -11,6 +11,8 @@
 - :mod:`~dtlib.zero.fsdp`: torch's FSDP2 (``fully_shard``) as the chapter uses it.
 - :mod:`~dtlib.zero.parallelism`: :func:`parallelism`, all of them for ``run_steps``.
 - :mod:`~dtlib.zero.deepspeed_config`: writing and checking a DeepSpeed config.
+- :mod:`~dtlib.zero.deepspeed_engine`: DeepSpeed's engine as a Parallelism for
+  ``run_steps`` (imports deepspeed only when a run initialises it).
 """
 
 from __future__ import annotations
