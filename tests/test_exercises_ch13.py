@@ -151,12 +151,12 @@ def _sweep(events, rounded=False):
 
 def _subtract(events):
     # the chapter's own helpers: communication's spans minus the compute's
-    from dtlib.chapters.ch13_time.trace import exposed_comm
+    from dtlib.planner.trace import exposed_comm
     return exposed_comm(events)["exposed_us"]
 
 
 def _comm_total(events):
-    from dtlib.chapters.ch13_time.trace import exposed_comm
+    from dtlib.planner.trace import exposed_comm
     return exposed_comm(events)["comm_us"]
 
 
@@ -165,7 +165,7 @@ def _comm_summed(events):
 
 
 def _compute_total(events):
-    from dtlib.chapters.ch13_time.trace import intervals
+    from dtlib.planner.trace import intervals
     return sum(t - s for s, t in intervals(events, False))
 
 

@@ -286,7 +286,7 @@ def test_a_collective_no_line_fits_is_priced_by_its_measured_points():
 
 
 def test_machine_from_keeps_trusted_fits_and_the_points_of_the_rest():
-    from dtlib.chapters.ch13_time.drift import machine_at
+    from dtlib.planner.drift import machine_at
     from dtlib.chapters.ch13_time.machine import machine_from
 
     measured = {"world_size": 4, "flops_alone": 1e9, "flops_roof": 1e9,
@@ -330,7 +330,7 @@ def test_mfu_against_a_hand_computed_case():
 # ---------------------------------------------------------------- drift, rounds
 
 def test_machine_at_prices_with_the_probes_around_the_steps():
-    from dtlib.chapters.ch13_time.drift import drift_of, machine_at
+    from dtlib.planner.drift import drift_of, machine_at
 
     base = machine(cores=2, shared={2: 0.9, 4: 0.3})
     # 1 GFLOP alone in 0.5 s then 1.5 s (mean 1 s: 1 GFLOP/s); every rank at once
@@ -372,7 +372,7 @@ def test_machine_at_prices_with_the_probes_around_the_steps():
 
 
 def test_compare_prices_each_step_with_the_probes_either_side():
-    from dtlib.chapters.ch13_time.drift import machine_at
+    from dtlib.planner.drift import machine_at
     from dtlib.chapters.ch13_time.runs import TIME_GPT, compare, workload_of
 
     base = machine(cores=2)
@@ -398,7 +398,7 @@ def test_compare_prices_each_step_with_the_probes_either_side():
 
 
 def test_summarize_takes_the_median_over_rounds_and_its_spread():
-    from dtlib.chapters.ch13_time.drift import summarize
+    from dtlib.planner.drift import summarize
 
     def row(name, n, ratio, drift=1.0):
         return {"strategy": name, "world_size": n, "measured_s": ratio,
@@ -439,7 +439,7 @@ def traces():
 
 
 def test_every_strategy_traces_its_collectives_in_order(traces):
-    from dtlib.chapters.ch13_time.trace import comm_calls, exposed_comm
+    from dtlib.planner.trace import comm_calls, exposed_comm
     from dtlib.models.gpt import GPTConfig, build_gpt
 
     model = build_gpt(GPTConfig(**TRACE_GPT))
@@ -500,7 +500,7 @@ def test_trace_exercise_on_real_traces(traces):
 
 
 def test_exposed_comm_of_a_hand_made_trace():
-    from dtlib.chapters.ch13_time.trace import comm_calls, exposed_comm, share_named
+    from dtlib.planner.trace import comm_calls, exposed_comm, share_named
 
     # compute 0-10 us on thread 1; the call at 4-5; gloo's work 5-15 on thread 2:
     # 5 us of it after compute ended, of a 15 us span

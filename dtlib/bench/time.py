@@ -26,7 +26,7 @@ import dataclasses
 import os
 from typing import Any
 
-from dtlib.chapters.ch13_time.drift import summarize
+from dtlib.planner.drift import summarize
 from dtlib.chapters.ch13_time.runs import (BAND, TIME_GPT, compare, machine_from,
                                            measure_machine, measure_overheads,
                                            time_strategies)

@@ -1,7 +1,7 @@
 """Checker for Chapter 13's trace exercise: find the exposed communication in a
 profiler trace the checker records on real ranks.
 
-The truth is :func:`dtlib.chapters.ch13_time.trace.exposed_comm`: the merged spans of
+The truth is :func:`dtlib.planner.trace.exposed_comm`: the merged spans of
 the communication events (gloo's threads) not covered by the merged spans of the
 compute (``aten::`` events on threads that run no communication). Hand-made traces
 first, built so that each wrong reading lands far from the truth (the whole
@@ -43,13 +43,13 @@ def band_us(events: Sequence[Event]) -> float:
     moves each end by at most half a microsecond, so the answer by at most one
     microsecond per merged span of either kind.
     """
-    from dtlib.chapters.ch13_time.trace import intervals
+    from dtlib.planner.trace import intervals
 
     return float(len(intervals(events, True)) + len(intervals(events, False)))
 
 
 def _wrong_readings(events: Sequence[Event]) -> list[tuple[float, str]]:
-    from dtlib.chapters.ch13_time.trace import is_comm, exposed_comm, intervals
+    from dtlib.planner.trace import is_comm, exposed_comm, intervals
 
     comm = [e for e in events if is_comm(e[0])]
     compute = sum(t - s for s, t in intervals(events, False))
@@ -71,7 +71,7 @@ def judge_exposed_comm(exposed_us: Callable[[list[Event]], float],
 
     Taught in: Chapter 13, exercise ch13-ex-trace.
     """
-    from dtlib.chapters.ch13_time.trace import exposed_comm
+    from dtlib.planner.trace import exposed_comm
 
     want, tol = exposed_comm(events)["exposed_us"], band_us(events)
     got = exposed_us(list(events))
@@ -103,7 +103,7 @@ def check_exposed_comm(exposed_us: Callable[[list[Event]], float]) -> None:
 
     Taught in: Chapter 13, exercise ch13-ex-trace.
     """
-    from dtlib.chapters.ch13_time.trace import exposed_comm
+    from dtlib.planner.trace import exposed_comm
     from dtlib.runtime import launch
 
     for i, events in enumerate(HAND_TRACES):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dtlib.chapters.ch13_time.trace import intervals
+from dtlib.planner.trace import intervals
 
 PARTS = (("compute_s", "compute", "tab:blue"), ("optimizer_s", "optimizer", "tab:gray"),
          ("exposed_s", "exposed communication", "tab:red"),

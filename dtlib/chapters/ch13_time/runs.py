@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtlib.chapters.ch13_time.drift import drift_of, machine_at
+from dtlib.planner.drift import drift_of, machine_at
 from dtlib.chapters.ch13_time.machine import machine_from, measure_machine, slowest
 from dtlib.chapters.ch13_time.probe import Probe, probe_rate
 from dtlib.models.gpt import GPTConfig, build_gpt

@@ -3,12 +3,12 @@ spread over rounds.
 
 On a machine whose speed moves while it runs (a virtual machine, cores other work
 shares), a compute rate measured at the start is not the rate during steps timed
-seconds later. So the launch probes what drifts (``machine.probe_rate``: the GPT's own
-forward and backward, rank 0 alone and every rank at once, AdamW's step, a copy and
-one message of each collective)
-after every step, and :func:`machine_at` prices each timed step with the mean of the
-two probes around it. The launch repeats this for a few rounds, and :func:`summarize`
-reports per strategy the median ratio and its spread over the rounds.
+seconds later. So the launch probes what drifts (Chapter 13's ``probe_rate``: the
+GPT's own forward and backward, rank 0 alone and every rank at once, AdamW's step,
+a copy and one message of each collective) after every step, and :func:`machine_at`
+prices each timed step with the mean of the two probes around it. The launch repeats
+this for a few rounds, and :func:`summarize` reports per strategy the median ratio
+and its spread over the rounds.
 
 Pure Python: the functions take the numbers the ranks measured.
 
