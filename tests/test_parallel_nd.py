@@ -23,7 +23,8 @@ from dtlib.chapters.ch11_multi_dim.runs import (LR, PIPELINE, TINY, all_layouts,
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
 from dtlib.models.run import Parallelism, run_steps
-from dtlib.parallel_nd import (build_grid_groups, data_shard, lines_along,
+from dtlib.data_parallel import rows_of_rank
+from dtlib.parallel_nd import (build_grid_groups, lines_along,
                                parallelism, rank_grid)
 from dtlib.parallel_nd.parallelism import PpDp, TpDp
 from dtlib.pipeline_parallel import PipelineParallel
@@ -96,8 +97,10 @@ def test_rank_grid_lines():
         rank_grid((2, 0))
     with pytest.raises(ValueError, match="dim"):
         lines_along(grid, 2)
-    with pytest.raises(ValueError, match="parts"):
-        data_shard(torch.zeros(6), 0, 4)
+    with pytest.raises(ValueError, match="world_size=4 must divide"):
+        rows_of_rank((torch.zeros(6),), 0, 4)
+    with pytest.raises(ValueError, match="rank=2"):
+        rows_of_rank((torch.zeros(6),), 2, 2)
 
 
 def test_factory_rejects_bad_arguments():
@@ -121,7 +124,7 @@ class SameRows(TpDp):
     """A planted defect: every replica trains on replica 0's rows."""
 
     def local_batch(self, batch):
-        return tuple(data_shard(t, 0, self.dp_size) for t in batch)
+        return rows_of_rank(batch, 0, self.dp_size)
 
 
 def defects() -> dict:

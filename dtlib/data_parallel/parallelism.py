@@ -43,10 +43,15 @@ def rows_of_rank(batch: Batch, rank: int, world_size: int) -> Batch:
         rank: this rank's index in the data-parallel group.
         world_size: ranks in the group (must divide the number of rows).
     Returns:
-        The tuple of this rank's rows (views of the global tensors).
+        The tuple of this rank's rows (views of the global tensors): equal shares,
+        so the mean of the ranks' mean losses is the global mean. The one row cut
+        of every data-parallel technique (DDP, ZeRO, the layouts of Chapter 11,
+        expert parallelism's ranks, the simulated ranks).
 
     Taught in: Chapter 3, "Equal to one process".
     """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     out = []
     for t in batch:
         if not isinstance(t, torch.Tensor):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.collectives.algorithms import all_gather_into
+from dtlib.data_parallel.parallelism import rows_of_rank
 from dtlib.expert_parallel.gpt import MoEBlock
 from dtlib.expert_parallel.layer import ExpertParallelMoE
 from dtlib.models.run import Batch, Parallelism, tensors_by_name, unwrap
@@ -96,7 +97,7 @@ class ExpertParallel(Parallelism):
         if batch[0].size(0) % self.world_size:
             raise ValueError(f"batch of {batch[0].size(0)} rows must divide by "
                              f"ep * dp = {self.world_size}")
-        return tuple(t.chunk(self.world_size)[self.rank] for t in batch)
+        return rows_of_rank(batch, self.rank, self.world_size)
 
     @contextlib.contextmanager
     def grad_sync(self, wrapped: nn.Module, on: bool) -> Iterator[None]:

@@ -142,17 +142,3 @@ def hsdp(model: GPT, mesh: Any, mp_policy: Any = None) -> GPT:
     Taught in: Chapter 11, "HSDP: shard inside, replicate across".
     """
     return shard_fsdp2(model, list(model.blocks), mp_policy=mp_policy, mesh=mesh)
-
-
-def data_shard(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
-    """Rows ``[index * n/parts, (index + 1) * n/parts)`` of ``x`` (n = len(x)).
-
-    Equal shards, so the mean of the per-shard mean losses is the global mean.
-
-    Taught in: Chapter 11, "Two dimensions, ours and torch's".
-    """
-    if x.shape[0] % parts or not 0 <= index < parts:
-        raise ValueError(f"batch {x.shape[0]} must split into parts={parts} "
-                         f"and index={index} be in [0, {parts})")
-    n = x.shape[0] // parts
-    return x[index * n:(index + 1) * n]

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.data_parallel.parallelism import rows_of_rank
 from dtlib.models.gpt import GPT
 from dtlib.models.run import Batch, Parallelism, full_tensor, unwrap
-from dtlib.parallel_nd.compose import (average_across_replicas, data_shard, fsdp_tp,
+from dtlib.parallel_nd.compose import (average_across_replicas, fsdp_tp,
                                        hsdp, tp_inside_dp)
 from dtlib.parallel_nd.grid import GridGroups
 from dtlib.pipeline_parallel.parallelism import PipelineParallel
@@ -70,10 +71,6 @@ def clip_grad_norm_nd(params: list[nn.Parameter], max_norm: float) -> torch.Tens
     return total
 
 
-def _rows(batch: Batch, index: int, parts: int) -> Batch:
-    return tuple(data_shard(t, index, parts) for t in batch)
-
-
 def _grid(grid: Any, need: tuple[str, ...], allowed: tuple[str, ...]) -> GridGroups:
     names = getattr(grid, "names", None)
     if not isinstance(grid, GridGroups) or not set(need) <= set(names) \
@@ -104,7 +101,7 @@ class TpDp(Parallelism):
         return tp_inside_dp(model, self.grid)
 
     def local_batch(self, batch: Batch) -> Batch:
-        return _rows(batch, self.grid.coords["dp"], self.dp_size)
+        return rows_of_rank(batch, self.grid.coords["dp"], self.dp_size)
 
     def full_state(self, wrapped: nn.Module, grads: bool = False
                    ) -> dict[str, torch.Tensor]:
@@ -133,7 +130,7 @@ class FsdpTp(Parallelism):
         return fsdp_tp(model, self.mesh, mp_policy=self.mp_policy)
 
     def local_batch(self, batch: Batch) -> Batch:
-        return _rows(batch, self.dp_rank, self.dp_size)
+        return rows_of_rank(batch, self.dp_rank, self.dp_size)
 
     def full_state(self, wrapped: nn.Module, grads: bool = False
                    ) -> dict[str, torch.Tensor]:
@@ -160,7 +157,7 @@ class Hsdp(Parallelism):
         return hsdp(model, self.mesh, mp_policy=self.mp_policy)
 
     def local_batch(self, batch: Batch) -> Batch:
-        return _rows(batch, self.rank, self.dp_size)
+        return rows_of_rank(batch, self.rank, self.dp_size)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
         return gradient_sync(wrapped, on)
@@ -199,7 +196,7 @@ class PpDp(PipelineParallel):
         return {n: t for n, t in every.items() if n in mine}
 
     def local_batch(self, batch: Batch) -> Batch:
-        return _rows(batch, self.grid.coords["dp"], self.dp_size)
+        return rows_of_rank(batch, self.grid.coords["dp"], self.dp_size)
 
     @contextlib.contextmanager
     def grad_sync(self, wrapped: nn.Module, on: bool) -> Iterator[None]:
@@ -251,7 +248,7 @@ class FsdpPp(PipelineParallel):
         return stage
 
     def local_batch(self, batch: Batch) -> Batch:
-        return _rows(batch, self.dp_rank, self.dp_size)
+        return rows_of_rank(batch, self.dp_rank, self.dp_size)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
         return gradient_sync(wrapped, on)
