@@ -378,3 +378,19 @@ def test_debug_tools_name_the_mismatch_and_the_missing_rank():
     assert re.search(r"Ranks? 1 failed to pass monitoredBarrier", ranks[0]["missing"]), \
         ranks[0]["missing"]
     assert ranks[1]["missing"] == "stuck"
+
+
+def test_one_name_for_a_checkpoint_directory_too(tmp_path):
+    """The capstone's directories use the same scheme as the files: built by
+    checkpoint_dir, read back by step_of, and nothing else matches."""
+    from dtlib.checkpoint.state import checkpoint_dir, step_of
+
+    path = checkpoint_dir(tmp_path, 12)
+    assert os.path.basename(path) == "step00000012" and step_of(path) == 12
+    assert step_of(path + "/") == 12
+    assert step_of("step00000012.pt") is None
+    assert step_of("step00000012.pt", directory=False) == 12
+    for other in ("step00000012.tmp", "step00000012.damaged-1", "step12", "superseded-1"):
+        assert step_of(other) is None, other
+    with pytest.raises(ValueError, match="step=-1"):
+        checkpoint_dir(tmp_path, -1)

@@ -11,7 +11,9 @@ and the CUDA device when there is one).
 Three habits make the files trustworthy:
 
 - **One name, used both ways.** :func:`checkpoint_path` builds the file name and
-  :func:`latest_checkpoint` finds files by parsing the *same* pattern.
+  :func:`latest_checkpoint` finds files by parsing the *same* pattern;
+  :func:`checkpoint_dir` and :func:`step_of` do the same for a checkpoint that is a
+  directory (the capstone's DCP checkpoints).
 - **Atomic writes.** :func:`atomic_save` writes a temporary file in the target
   directory, fsyncs it and ``os.replace``-s it: a crash leaves the old file or the new
   one, never half of one.
@@ -40,7 +42,8 @@ from dtlib.data_parallel.sampling import ResumableSampler
 from dtlib.models.run import unwrap
 from dtlib.runtime.dist import world
 
-__all__ = ["CHECKPOINT_PATTERN", "checkpoint_path", "list_checkpoints",
+__all__ = ["CHECKPOINT_PATTERN", "CHECKPOINT_DIR_PATTERN", "checkpoint_path",
+           "checkpoint_dir", "step_of", "list_checkpoints",
            "latest_checkpoint", "atomic_save", "rng_state", "set_rng_state",
            "STATE_KEYS", "save_checkpoint", "load_checkpoint", "clean_leftovers",
            "load_latest_good", "gather_state"]
@@ -48,6 +51,9 @@ __all__ = ["CHECKPOINT_PATTERN", "checkpoint_path", "list_checkpoints",
 #: The one file-name scheme, for writing and for finding (zero-padded: sorts by name).
 CHECKPOINT_PATTERN = "step{step:08d}.pt"
 _CHECKPOINT_RE = re.compile(r"^step(\d{8})\.pt$")
+#: The same scheme for a checkpoint that is a directory (DCP's).
+CHECKPOINT_DIR_PATTERN = "step{step:08d}"
+_CHECKPOINT_DIR_RE = re.compile(r"^step(\d{8})$")
 
 #: What :func:`save_checkpoint` writes; :func:`load_checkpoint` can restore a subset.
 STATE_KEYS = ("model", "optimizer", "scheduler", "sampler", "rng_torch", "rng_python",
@@ -59,9 +65,33 @@ def checkpoint_path(ckpt_dir: str | os.PathLike, step: int) -> str:
 
     Taught in: Chapter 9, "One name".
     """
+    _check_step(step)
+    return os.path.join(os.fspath(ckpt_dir), CHECKPOINT_PATTERN.format(step=step))
+
+
+def checkpoint_dir(ckpt_dir: str | os.PathLike, step: int) -> str:
+    """The directory that holds the (DCP) checkpoint taken after ``step`` steps.
+
+    Taught in: Chapter 9, "One name" (the capstone's checkpoints: Chapter 10).
+    """
+    _check_step(step)
+    return os.path.join(os.fspath(ckpt_dir), CHECKPOINT_DIR_PATTERN.format(step=step))
+
+
+def step_of(name: str, directory: bool = True) -> int | None:
+    """The step in a checkpoint's name (a directory's, or with ``directory=False``
+    a file's), or None when ``name`` is not one.
+
+    Taught in: Chapter 9, "One name".
+    """
+    pattern = _CHECKPOINT_DIR_RE if directory else _CHECKPOINT_RE
+    found = pattern.match(os.path.basename(os.path.normpath(name)))
+    return int(found.group(1)) if found else None
+
+
+def _check_step(step: object) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative integer")
-    return os.path.join(os.fspath(ckpt_dir), CHECKPOINT_PATTERN.format(step=step))
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, str]]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 import dtlib
+from dtlib.checkpoint.state import list_checkpoints, step_of
 from dtlib.train.config import CARE_NAMES, TrainConfig
 
 __all__ = ["IDENTITY", "RULES", "Refusal", "run_identity", "fingerprint", "compare",
@@ -46,8 +46,6 @@ __all__ = ["IDENTITY", "RULES", "Refusal", "run_identity", "fingerprint", "compa
 
 #: The identity file inside every checkpoint directory (hashed in its manifest).
 IDENTITY = "run.json"
-_STEP_RE = re.compile(r"^step(\d{8})$")
-_LEGACY_RE = re.compile(r"^step\d{8}\.pt$")
 
 #: identity key -> (kind, the flag that sets it). Every key of :func:`run_identity`.
 RULES: dict[str, tuple[str, str]] = {
@@ -240,7 +238,7 @@ class Comparison:
             names = ",".join(n for n, k in CARE_KEYS.items()
                              if k in {c[0] for c in self.unallowed})
             return (f"{diffs}. To continue with the new value from step "
-                    f"{_step_of(path)} on, pass --allow-change {names}; to continue "
+                    f"{step_of(path)} on, pass --allow-change {names}; to continue "
                     "the run as it was, resume with the checkpoint's value "
                     "(nothing was loaded, nothing in it changed)")
         return None
@@ -253,11 +251,6 @@ class Comparison:
         if free:
             out.append("not part of the run's identity, changed: " + "; ".join(free))
         return out
-
-
-def _step_of(path: str) -> int:
-    found = re.search(r"step(\d{8})", path)
-    return int(found.group(1)) if found else 0
 
 
 def compare(saved: dict[str, Any], now: dict[str, Any],
@@ -280,7 +273,7 @@ def step_dirs(ckpt_dir: str) -> list[str]:
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    names = [n for n in os.listdir(ckpt_dir) if _STEP_RE.match(n)
+    names = [n for n in os.listdir(ckpt_dir) if step_of(n) is not None
              and os.path.isdir(os.path.join(ckpt_dir, n))] \
         if os.path.isdir(ckpt_dir) else []
     return [os.path.join(ckpt_dir, n) for n in sorted(names, reverse=True)]
@@ -364,9 +357,9 @@ def _check_checkpoints(cfg: TrainConfig, now: dict[str, Any]) -> Comparison | No
                       "a directory this user may create or write into")
     if not os.path.isdir(cfg.ckpt_dir):
         return None
-    legacy = sorted(n for n in os.listdir(cfg.ckpt_dir) if _LEGACY_RE.match(n))
+    legacy = [path for _, path in list_checkpoints(cfg.ckpt_dir)]
     if legacy:
-        raise Refusal(f"{os.path.join(cfg.ckpt_dir, legacy[-1])} is a one-file "
+        raise Refusal(f"{legacy[-1]} is a one-file "
                       f"checkpoint with no run identity ({len(legacy)} such in "
                       f"{cfg.ckpt_dir}): it cannot be told apart from another run's; "
                       "start this run in another --ckpt-dir (nothing there changed)")

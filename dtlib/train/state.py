@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
 
 from dtlib.checkpoint.safe_dcp import (MANIFEST, SafeFileSystemReader,
                                        SafeLoadPlanner, file_sha256, write_manifest)
-from dtlib.checkpoint.state import atomic_save, clean_leftovers, rng_state, \
-    set_rng_state
+from dtlib.checkpoint.state import (atomic_save, checkpoint_dir, clean_leftovers,
+                                    rng_state, set_rng_state)
 from dtlib.models.run import full_tensor, unwrap
 from dtlib.runtime.dist import rprint
 from dtlib.train.identity import (IDENTITY, Refusal, compare, read_identity,
@@ -205,7 +205,7 @@ def begin_save(job: Job, step: int) -> tuple[str, str]:
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    final = os.path.join(job.cfg.ckpt_dir, f"step{step:08d}")
+    final = checkpoint_dir(job.cfg.ckpt_dir, step)
     tmp = final + ".tmp"
     rank = dist.get_rank()
     if rank == 0:
