@@ -302,3 +302,29 @@ def test_fsdp2s_gradient_sync_switch_is_restored_on_leaving():
     assert m.calls == [False, True, False, True]
     with gradient_sync(torch.nn.Linear(2, 2), False):
         pass  # no switch to turn: nothing happens
+
+
+def test_clip_by_global_norm_is_torchs_clip_on_plain_tensors(one_rank):
+    """The one global-norm clip (FSDP x TP, HSDP, the pipelines) on plain tensors:
+    torch's ``clip_grad_norm_`` to float32 rounding (both sum the squares of a few
+    hundred terms: within 2**-24 times that many of each other, relative)."""
+    from dtlib.models.run import clip_by_global_norm
+
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = [], []
+    for shape in ((7, 5), (11,), (3, 2, 4)):
+        g = torch.randn(shape, generator=gen)
+        for out in (ours, theirs):
+            p = torch.nn.Parameter(torch.zeros(shape))
+            p.grad = g.clone()
+            out.append(p)
+    ours.append(torch.nn.Parameter(torch.zeros(2)))  # no gradient: skipped
+    n = sum(p.numel() for p in theirs)
+    total = clip_by_global_norm(ours, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+    torch.testing.assert_close(total, want, rtol=n * U32, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2 * n * U32, atol=0)
+    assert ours[-1].grad is None
+    with pytest.raises(ValueError, match="max_norm=0"):
+        clip_by_global_norm(ours, 0)

@@ -56,7 +56,8 @@ import torch.nn as nn
 from dtlib.runtime import dist as ddist
 
 __all__ = ["Parallelism", "RunResult", "run_steps", "default_step", "gpt_loss",
-           "tensors_by_name", "unwrap", "local_tensor", "full_tensor", "is_dtensor"]
+           "tensors_by_name", "unwrap", "local_tensor", "full_tensor", "is_dtensor",
+           "clip_by_global_norm"]
 
 Batch = Sequence[Any]  # (idx, targets), or any argument tuple of loss_fn
 LossFn = Callable[..., torch.Tensor]
@@ -89,6 +90,45 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole of ``t`` as one process holds it: a DTensor's ``full_tensor()``
     (a collective over its mesh), else ``t``."""
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def clip_by_global_norm(params: Sequence[nn.Parameter], max_norm: float,
+                        group: Any = None) -> torch.Tensor:
+    """Scale the gradients of ``params`` so that their global L2 norm is at most
+    ``max_norm``; return the norm before.
+
+    ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms, which fails
+    when they are DTensors on different meshes (under FSDP2 x TP the blocks' weights
+    live on the 2-D (dp, tp) mesh, the embeddings and head on ``mesh["dp"]``
+    alone), and it cannot know that a pipeline stage holds only part of the model.
+    Here each parameter's norm is made full first (one small collective per
+    DTensor, on its own mesh), the squares are summed in float32, and with
+    ``group`` (a pipeline's stages) summed over its ranks.
+
+    Args:
+        params: this rank's parameters (those without a gradient are skipped).
+        max_norm: the largest allowed global norm (> 0).
+        group: ranks that each hold other parameters of the model (a pipeline's
+            stages: ``dist.group.WORLD`` for all of them), or None: none.
+    Returns:
+        The total norm before clipping (a plain float32 scalar tensor).
+
+    Taught in: Chapter 11, "Two dimensions, ours and torch's" (and Chapter 6's
+    pipelines).
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be > 0")
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros((), device=ddist.world().device)
+    for g in grads:
+        sq = sq + full_tensor(torch.linalg.vector_norm(g)).float() ** 2
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -17,9 +17,8 @@ from dtlib.parallel_nd.compose import (average_across_replicas,
                                        fsdp_pipeline_stage, fsdp_tp, hsdp,
                                        pipeline_stage_of, tp_inside_dp)
 from dtlib.parallel_nd.grid import GridGroups, build_grid_groups, lines_along, rank_grid
-from dtlib.parallel_nd.parallelism import LAYOUTS, clip_grad_norm_nd, parallelism
+from dtlib.parallel_nd.parallelism import LAYOUTS, parallelism
 
 __all__ = ["rank_grid", "lines_along", "GridGroups", "build_grid_groups",
            "tp_inside_dp", "fsdp_tp", "hsdp", "pipeline_stage_of",
-           "average_across_replicas", "fsdp_pipeline_stage", "LAYOUTS", "parallelism",
-           "clip_grad_norm_nd"]
+           "average_across_replicas", "fsdp_pipeline_stage", "LAYOUTS", "parallelism"]

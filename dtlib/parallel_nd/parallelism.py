@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from dtlib.data_parallel.parallelism import rows_of_rank
 from dtlib.models.gpt import GPT
-from dtlib.models.run import Batch, Parallelism, full_tensor, unwrap
+from dtlib.models.run import Batch, Parallelism, clip_by_global_norm, unwrap
 from dtlib.parallel_nd.compose import (average_across_replicas, fsdp_tp,
                                        hsdp, tp_inside_dp)
 from dtlib.parallel_nd.grid import GridGroups
@@ -36,39 +36,9 @@ from dtlib.pipeline_parallel.parallelism import PipelineParallel
 from dtlib.tensor_parallel.gpt import full_tensors, tensor_parallelize
 from dtlib.zero.fsdp import fully_shard, gradient_sync
 
-__all__ = ["LAYOUTS", "parallelism", "TpDp", "FsdpTp", "Hsdp", "PpDp", "FsdpPp",
-           "clip_grad_norm_nd"]
+__all__ = ["LAYOUTS", "parallelism", "TpDp", "FsdpTp", "Hsdp", "PpDp", "FsdpPp"]
 
 LAYOUTS = ("tp_dp", "fsdp_tp", "hsdp", "pp_dp", "fsdp_pp")
-
-
-def clip_grad_norm_nd(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale the gradients so that their global L2 norm is at most ``max_norm``.
-
-    ``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms, which fails
-    when they are DTensors on different meshes: under FSDP2 x TP the blocks' weights
-    live on the 2-D (dp, tp) mesh, the embeddings and head on ``mesh["dp"]`` alone.
-    Here each parameter's norm is made full (replicated) first: one small collective
-    per parameter, on its own mesh; then the global norm is taken over plain tensors.
-
-    Args:
-        params: every parameter of the model (those without a gradient are skipped).
-        max_norm: the largest allowed global norm (> 0).
-    Returns:
-        The total norm before clipping (a plain scalar tensor).
-
-    Taught in: Chapter 11, "Two dimensions, ours and torch's" (the capstone's
-    ``--grad-clip`` with ``--tp``).
-    """
-    if not max_norm > 0:
-        raise ValueError(f"max_norm={max_norm!r} must be > 0")
-    grads = [p.grad for p in params if p.grad is not None]
-    norms = [full_tensor(torch.linalg.vector_norm(g)) for g in grads]
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef)
-    return total
 
 
 def _grid(grid: Any, need: tuple[str, ...], allowed: tuple[str, ...]) -> GridGroups:
@@ -140,7 +110,7 @@ class FsdpTp(Parallelism):
         return gradient_sync(wrapped, on)
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
+        return clip_by_global_norm(list(wrapped.parameters()), max_norm)
 
 
 
@@ -163,7 +133,7 @@ class Hsdp(Parallelism):
         return gradient_sync(wrapped, on)
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_nd(list(wrapped.parameters()), max_norm)
+        return clip_by_global_norm(list(wrapped.parameters()), max_norm)
 
 
 

@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtlib.models.gpt import GPT
-from dtlib.models.run import Batch, Parallelism, full_tensor, gpt_loss, tensors_by_name
+from dtlib.models.run import (Batch, Parallelism, clip_by_global_norm, gpt_loss,
+                              tensors_by_name)
 from dtlib.pipeline_parallel.schedules import SCHEDULES, StepResult, pipeline_step
 from dtlib.pipeline_parallel.split import split_gpt
 from dtlib.runtime.dist import world
@@ -217,21 +218,12 @@ class PipelineParallel(Parallelism):
         return out
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip by the norm over every stage: each stage's sum of squares (each
-        parameter's norm made full first: a sharded stage), summed over the group."""
-        if not max_norm > 0:
-            raise ValueError(f"max_norm={max_norm!r} must be > 0")
-        grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
-        sq = torch.zeros((), device=world().device)
-        for g in grads:
-            sq = sq + full_tensor(torch.linalg.vector_norm(g)).float() ** 2
-        if self.n_stages > 1:
-            dist.all_reduce(sq, group=self.group)
-        total = sq.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        return total
+        """Clip by the norm over every stage: each stage's sum of squares, summed
+        over the pipeline's group."""
+        if self.n_stages == 1:
+            return clip_by_global_norm(list(wrapped.parameters()), max_norm)
+        stages = self.group if self.group is not None else dist.group.WORLD
+        return clip_by_global_norm(list(wrapped.parameters()), max_norm, stages)
 
 
 def parallelism(schedule: str = "1f1b", n_micro: int = 1, *, variant: str = "ours",
