@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fp32_tolerance import assert_all_scaled, reorder_rel, sgd_param_scale
-from dtlib.chapters.ch03_data_parallel.runs import (TINY, reference_training,
+from dtlib.chapters.ch03_data_parallel.runs import (TINY, reference_gpt_run,
                                                     train_variants)
 from dtlib.collectives.accounting import count_comms
 from dtlib.data_parallel import (TEACHING_VARIANTS, VARIANTS, DataParallel,
@@ -236,7 +236,7 @@ def reference() -> Callable[[int], RunResult]:
 
     def get(n: int) -> RunResult:
         if n not in cache:
-            cache[n] = reference_training(TINY, n * MICRO_BATCH, STEPS, **SGD)
+            cache[n] = reference_gpt_run(TINY, n * MICRO_BATCH, STEPS, **SGD)
         return cache[n]
     return get
 

@@ -31,7 +31,7 @@ from fp32_tolerance import (assert_all_scaled, assert_scaled, reorder_rel,
                             sgd_param_scale)
 from dtlib.chapters.ch05_tensor_parallel.runs import (TINY, mlp_pair_comms,
                                                       reference_linear_pair,
-                                                      reference_training, train_tp)
+                                                      reference_gpt_run, train_tp)
 from dtlib.exercises import WrongAnswer
 from dtlib.exercises.tensor_parallel import check_tp_numbers
 from dtlib.models.gpt import GPTConfig, build_gpt
@@ -143,7 +143,7 @@ def _suite(defects: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> RunResult:
-    return reference_training(TINY, BATCH, STEPS, **SGD)
+    return reference_gpt_run(TINY, BATCH, STEPS, **SGD)
 
 
 @pytest.fixture(scope="module")

@@ -165,10 +165,10 @@ def check_ch2(n: int, timeout: float) -> tuple[bool, str]:
 
 
 def check_ch3(n: int, timeout: float) -> tuple[bool, str]:
-    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_training
+    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_gpt_run
 
     steps, lr = 3, 1e-3
-    ref = reference_training(TINY, 2 * n, steps)
+    ref = reference_gpt_run(TINY, 2 * n, steps)
     res = launch.spawn(ddp_rank, n, steps, timeout=timeout, stream=False)
     worst: dict[str, float] = {}
     ok = True

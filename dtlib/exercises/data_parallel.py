@@ -285,7 +285,7 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
 
     Taught in: Chapter 3, "Exercises" (the bucketed gradient hook).
     """
-    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_training
+    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_gpt_run
 
     if not world_sizes or any(not isinstance(n, int) or n < 2 for n in world_sizes):
         raise ValueError(f"world_sizes={world_sizes!r}: give integers >= 2 (a hook "
@@ -312,7 +312,7 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
             for i in todo:
                 verdicts[i] = wrong
             continue
-        truth = _flat(reference_training(TINY, world_size * MICRO_BATCH, 1)["grads"])
+        truth = _flat(reference_gpt_run(TINY, world_size * MICRO_BATCH, 1)["grads"])
         for j, i in enumerate(todo):
             if per_rank[0][j]["buckets"] < 2:
                 raise AssertionError("the check ran with one bucket: lower "

@@ -4,7 +4,7 @@ The rank functions here are what the chapter's cells, the tests and the benchmar
 with :func:`dtlib.runtime.launch.spawn` (they must be importable, so they live in
 dtlib, not in the notebook):
 
-- :func:`reference_training`: one process, the whole global batch (the truth);
+- :func:`reference_gpt_run`: one process, the whole global batch (the truth);
 - :func:`train_replica`: one rank of a data-parallel run of the same training;
 - :func:`measure_step`: median step time, all-reduce calls and bytes of one variant;
 - :func:`record_timeline`: when each gradient was ready and each bucket travelled.
@@ -29,12 +29,12 @@ import torch.nn as nn
 from dtlib.data_parallel import VARIANTS, parallelism
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import gpt_batches, grads_of
-from dtlib.models.reference import reference_gpt_run as reference_training
+from dtlib.models.reference import reference_gpt_run
 from dtlib.models.run import RunResult, gpt_loss, run_steps
 from dtlib.models.sizes import size
 from dtlib.runtime import dist as ddist
 
-__all__ = ["VARIANTS", "TINY", "reference_training", "grads_of", "wrap",
+__all__ = ["VARIANTS", "TINY", "reference_gpt_run", "grads_of", "wrap",
            "train_replica", "train_variants", "measure_step", "compare_variants",
            "record_timeline", "accumulation_comms"]
 
@@ -67,7 +67,7 @@ def train_replica(cfg: GPTConfig, variant: str, micro_batch: int, steps: int,
     """One rank of data-parallel training; rank r takes rows ``r*b .. (r+1)*b - 1``.
 
     The global batch of step k is ``token_batch(cfg, world_size * micro_batch, k)``, the
-    batch :func:`reference_training` uses, so the results must match it: the one
+    batch :func:`reference_gpt_run` uses, so the results must match it: the one
     loop, with the DDP's Parallelism instead of the identity.
 
     Args:
@@ -80,7 +80,7 @@ def train_replica(cfg: GPTConfig, variant: str, micro_batch: int, steps: int,
         seed: ``build_gpt``'s seed (every rank the same).
         bucket_cap_mb: bucket size cap (MiB).
     Returns:
-        A :class:`~dtlib.models.run.RunResult` like :func:`reference_training`'s
+        A :class:`~dtlib.models.run.RunResult` like :func:`reference_gpt_run`'s
         (losses of the global batch, step-0 gradients, final parameters).
 
     Taught in: Chapter 3, "Equal to one process".

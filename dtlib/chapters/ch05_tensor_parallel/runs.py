@@ -1,6 +1,6 @@
 """Rank functions that put tensor parallelism next to one process (tests and Chapter 5).
 
-- :func:`reference_training`: one process, the full GPT (the truth);
+- :func:`reference_gpt_run`: one process, the full GPT (the truth);
 - :func:`train_tp`: one rank of the same training, tensor-parallel ("ours" or
   "dtensor"), optionally with the seed's mistake of leaving out f (ERRATA 17);
 - :func:`mlp_pair_comms`: the collectives of one column -> row MLP pair, with and
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from dtlib.collectives.accounting import count_comms
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
-from dtlib.models.reference import reference_gpt_run as reference_training
+from dtlib.models.reference import reference_gpt_run
 from dtlib.models.run import (Parallelism, RunResult, default_step, local_tensor,
                               run_steps)
 from dtlib.models.sizes import size
@@ -32,7 +32,7 @@ from dtlib.tensor_parallel.gpt import parallel_param_count
 from dtlib.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                           full_linear, tp_rank, tp_size)
 
-__all__ = ["TINY", "VARIANTS", "reference_training", "drop_f", "train_tp",
+__all__ = ["TINY", "VARIANTS", "reference_gpt_run", "drop_f", "train_tp",
            "count_first_step", "tp_runs", "mlp_pair_both", "mlp_pair_comms",
            "init_scale", "reference_linear_pair", "ColumnParallelLinearWithoutF"]
 
@@ -105,7 +105,7 @@ def train_tp(cfg: GPTConfig, variant: str, batch: int, steps: int, lr: float = 1
              seed: int = 0, with_f: bool = True, count: bool = True,
              optimizer_class: type = torch.optim.AdamW,
              **optimizer_kwargs: Any) -> RunResult:
-    """One rank of tensor-parallel training of :func:`reference_training`'s GPT.
+    """One rank of tensor-parallel training of :func:`reference_gpt_run`'s GPT.
 
     Every rank sees the whole batch (tensor parallelism splits the model, not the
     data). The first step's collectives are counted, forward and backward apart.
@@ -114,7 +114,7 @@ def train_tp(cfg: GPTConfig, variant: str, batch: int, steps: int, lr: float = 1
         cfg: the GPT; ``n_heads`` and ``4 * hidden`` divisible by the world size.
         variant: ``"ours"`` (:func:`tensor_parallelize`) or ``"dtensor"``.
         batch, steps, lr, seed, optimizer_class, optimizer_kwargs: as
-            :func:`reference_training`.
+            :func:`reference_gpt_run`.
         with_f: False reproduces ERRATA 17 (ours only).
         count: record the first step's communication.
     Returns:
