@@ -394,3 +394,11 @@ def test_one_name_for_a_checkpoint_directory_too(tmp_path):
         assert step_of(other) is None, other
     with pytest.raises(ValueError, match="step=-1"):
         checkpoint_dir(tmp_path, -1)
+    from dtlib.checkpoint.state import list_checkpoint_dirs
+
+    for step in (10, 3):
+        os.makedirs(checkpoint_dir(tmp_path, step))
+    os.makedirs(checkpoint_dir(tmp_path, 4) + ".tmp")  # a save in flight
+    open(checkpoint_dir(tmp_path, 5), "w").close()  # a file of the name
+    assert list_checkpoint_dirs(tmp_path) == [(3, checkpoint_dir(tmp_path, 3)),
+                                              (10, checkpoint_dir(tmp_path, 10))]

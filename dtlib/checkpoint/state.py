@@ -43,7 +43,7 @@ from dtlib.models.run import unwrap
 from dtlib.runtime.dist import world
 
 __all__ = ["CHECKPOINT_PATTERN", "CHECKPOINT_DIR_PATTERN", "checkpoint_path",
-           "checkpoint_dir", "step_of", "list_checkpoints",
+           "checkpoint_dir", "step_of", "list_checkpoints", "list_checkpoint_dirs",
            "latest_checkpoint", "atomic_save", "rng_state", "set_rng_state",
            "STATE_KEYS", "save_checkpoint", "load_checkpoint", "clean_leftovers",
            "load_latest_good", "gather_state"]
@@ -104,6 +104,21 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, str]]:
         return []
     found = [(int(m.group(1)), os.path.join(ckpt_dir, name))
              for name in os.listdir(ckpt_dir) if (m := _CHECKPOINT_RE.match(name))]
+    return sorted(found)
+
+
+def list_checkpoint_dirs(ckpt_dir: str | os.PathLike) -> list[tuple[int, str]]:
+    """``[(step, path), ...]`` of the checkpoint directories (DCP's) in
+    ``ckpt_dir``, by step; a save's ``.tmp`` directory does not match the name.
+
+    Taught in: Chapter 9, "One name" (the capstone's checkpoints: Chapter 10).
+    """
+    ckpt_dir = os.fspath(ckpt_dir)
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = [(step, os.path.join(ckpt_dir, name)) for name in os.listdir(ckpt_dir)
+             if (step := step_of(name)) is not None
+             and os.path.isdir(os.path.join(ckpt_dir, name))]
     return sorted(found)
 
 

@@ -60,14 +60,19 @@ class BackgroundSaver:
                                f"{torch.__version__}")
         self.job, self.published = job, published
         self.pending: Future | None = None
+        #: (step, seconds from the start of its save to its files all written) of
+        #: the newest save known to be done, for the preemption window; None
+        #: before the first one finishes. (``save`` returns sooner: it only stages.)
+        self.written: tuple[int, float] | None = None
         self.group: Any = None  # the writer's gloo group, made at the first save
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt")
 
     def save(self, step: int) -> float:
         """Wait for the previous save, then start the save of ``step``. Returns
         the seconds the loop was held (the wait and the staging)."""
-        began = time.perf_counter()
+        held = time.perf_counter()
         self.wait()
+        began = time.perf_counter()  # this save's own clock starts after the wait
         job = self.job
         if self.group is None:
             self.group = ddist.cpu_group()  # a collective: every rank, same save
@@ -75,15 +80,15 @@ class BackgroundSaver:
         written = dcp.async_save(state_to_save(job), checkpoint_id=tmp,
                                  process_group=self.group)  # staged when it returns
         written = getattr(written, "upload_completion", written)  # newer stagers
-        if dist.get_rank() != 0:
-            self.pending = written
-            return time.perf_counter() - began
+        publishes = dist.get_rank() == 0
 
         def done() -> None:  # rank 0's future: every rank's files are written
             written.result()
-            publish(tmp, final, step, job, time.perf_counter() - began)
+            if publishes:
+                publish(tmp, final, step, job, time.perf_counter() - began)
+            self.written = (step, time.perf_counter() - began)  # before wait returns
         self.pending = self.pool.submit(done)
-        return time.perf_counter() - began
+        return time.perf_counter() - held
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and published; a

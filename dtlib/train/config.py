@@ -16,13 +16,19 @@ import math
 import os
 import re
 from dataclasses import MISSING, dataclass, fields
-from typing import Sequence
+from typing import Any, Sequence
+
+import torch
 
 #: ``--strategy``: the keys of :data:`dtlib.train.strategies.STRATEGIES`.
 STRATEGY_NAMES = ("ddp", "fsdp")
 MODELS = ("gpt", "hf-llama")
-#: ``--optimizer``: the keys of :data:`dtlib.train.job.OPTIMIZERS`.
-OPTIMIZER_NAMES = ("adamw", "sgd")
+#: ``--optimizer`` -> (class, arguments besides lr and weight_decay).
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+}
+OPTIMIZER_NAMES = tuple(OPTIMIZERS)
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: ``--attention`` (``dtlib.models.gpt.ATTENTION``) and ``--recompute``
 #: (``dtlib.memory.recompute.RECOMPUTE_MODES``); tests check they agree.

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 import dtlib
-from dtlib.checkpoint.state import list_checkpoints, step_of
-from dtlib.train.config import CARE_NAMES, TrainConfig
+from dtlib.checkpoint.state import list_checkpoint_dirs, list_checkpoints, step_of
+from dtlib.train.config import CARE_NAMES, OPTIMIZERS, TrainConfig
 
 __all__ = ["IDENTITY", "RULES", "Refusal", "run_identity", "fingerprint", "compare",
            "Comparison", "check_directory", "read_identity", "step_dirs",
@@ -81,12 +81,8 @@ RULES: dict[str, tuple[str, str]] = {
     "dtlib": ("free", "dtlib"),
     "torch": ("free", "torch"),
 }
-#: The ``--allow-change`` name of each care entry (the flag without its dashes).
-CARE_KEYS = {"global-batch": "global_batch", "lr": "lr", "warmup": "warmup",
-             "min-lr-ratio": "min_lr_ratio", "steps": "steps",
-             "weight-decay": "weight_decay", "grad-clip": "grad_clip",
-             "precision": "precision"}
-assert set(CARE_KEYS) == set(CARE_NAMES)
+#: ``--allow-change`` name -> its care entry (the name with underscores).
+CARE_KEYS = {name: name.replace("-", "_") for name in CARE_NAMES}
 assert {k for k, (kind, _) in RULES.items() if kind == "care"} \
     == set(CARE_KEYS.values())
 
@@ -106,7 +102,7 @@ def data_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     """
     if cfg.data is None:
         return {"kind": "synthetic", "samples": cfg.dataset_size}
-    from dtlib.train.tokens import META, TOKENS, read_meta
+    from dtlib.train.tokens import TOKENS, read_meta
 
     meta = read_meta(cfg.data)
     path = os.path.join(cfg.data, TOKENS)
@@ -120,7 +116,7 @@ def data_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
                                        if k != "tokenizer" or meta[k] == "bytes"},
             "tokenizer": os.path.basename(os.path.normpath(str(meta["tokenizer"]))),
             "bytes": size, "ends_sha256": h.hexdigest()[:16],
-            "eval_fraction": cfg.eval_fraction, "meta_file": META}
+            "eval_fraction": cfg.eval_fraction}
 
 
 def _model_shape(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -142,8 +138,6 @@ def run_identity(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
 
     Taught in: Chapter 10, "A checkpoint knows its run".
     """
-    from dtlib.train.job import OPTIMIZERS
-
     dp = world_size // cfg.tp
     _, kwargs = OPTIMIZERS[cfg.optimizer]
     shape = _model_shape(cfg)
@@ -273,10 +267,7 @@ def step_dirs(ckpt_dir: str) -> list[str]:
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    names = [n for n in os.listdir(ckpt_dir) if step_of(n) is not None
-             and os.path.isdir(os.path.join(ckpt_dir, n))] \
-        if os.path.isdir(ckpt_dir) else []
-    return [os.path.join(ckpt_dir, n) for n in sorted(names, reverse=True)]
+    return [path for _, path in reversed(list_checkpoint_dirs(ckpt_dir))]
 
 
 def read_identity(path: str) -> dict[str, Any] | None:

@@ -26,22 +26,17 @@ from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
 from dtlib.models.init import storage_bytes
 from dtlib.models.run import Parallelism
 from dtlib.runtime import dist as ddist
-from dtlib.train.config import STRATEGY_NAMES, TrainConfig
+from dtlib.train.config import OPTIMIZERS, STRATEGY_NAMES, TrainConfig
 from dtlib.train.data import (GlobalSampler, MicroBatch, SyntheticTokens, open_split,
                               step_batches)
+from dtlib.train.identity import run_identity
 from dtlib.train.model import (build_model, count_params, init_model, logits_of,
                                starts_on_meta, unit_params)
 from dtlib.train.strategies import STRATEGIES, Strategy
 
 __all__ = ["DoesNotFit", "check_memory", "startup_bytes", "prepare_model",
            "start_model", "lr_lambda", "token_loss",
-           "OPTIMIZERS", "Job", "build_job", "build_data"]
-
-#: ``--optimizer`` -> (class, arguments besides lr and weight_decay).
-OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {}),
-    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
-}
+           "Job", "build_job", "build_data"]
 
 
 class DoesNotFit(RuntimeError):
@@ -247,6 +242,9 @@ class Job:
         parameters when training starts) and ``whole`` (the fp32 model, ``4 N``).
     verified: the files of the resumed checkpoint this rank hashed (the ones it
         reads).
+    identity: the run's identity (:func:`dtlib.train.identity.run_identity`),
+        computed once: what every save writes as ``run.json`` and every resume
+        compares with.
     resumed: what the resume loaded and checked (``path``, ``step``, ``damaged``
         (the newer checkpoints fallen back over), ``save_s`` (how long that save
         took), ``changes`` (the lines of what differs), ``checked`` (identity
@@ -269,6 +267,7 @@ class Job:
     n_params: int
     states: ModelStates
     startup_bytes: dict[str, int]
+    identity: dict[str, Any] = field(default_factory=dict)
     verified: set[str] = field(default_factory=set)
     resumed: dict[str, Any] | None = None
 
@@ -333,7 +332,8 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     batch_fn = step_batches(data, sampler, cfg.micro_batch, cfg.accum_steps,
                             dp_rank, par.dp_size, device)
     return Job(cfg, world, strategy, par, model, opt, sched, scaler, data, sampler,
-               held_out, batch_fn, step_fn, n_params, states, startup)
+               held_out, batch_fn, step_fn, n_params, states, startup,
+               run_identity(cfg, world.world_size))
 
 
 def build_data(cfg: TrainConfig) -> tuple[Any, Any]:

@@ -35,7 +35,7 @@ from dtlib.runtime import dist as ddist
 from dtlib.train.async_save import BackgroundSaver
 from dtlib.train.config import TrainConfig, parse_args
 from dtlib.train.faults import SIGNALS, Preemption, kill_rehearsal, retain
-from dtlib.train.identity import Refusal, check_directory, fingerprint, run_identity
+from dtlib.train.identity import Refusal, check_directory, fingerprint
 from dtlib.train.job import Job, build_job
 from dtlib.train.metrics import (RunLog, StepClock, evaluate, flops_per_token,
                                  measured_peak_flops, peak_memory)
@@ -92,7 +92,7 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     job = build_job(cfg, world)
     start = resume(job)
     _announce(job, start)
-    identity = run_identity(cfg, world.world_size)
+    identity = job.identity
     window = _preemption_window(job)
     if job.strategy.warm_up is not None and job.par.dp_size > 1:
         x = job.data.rows(torch.arange(cfg.micro_batch))[:, :-1].to(world.device)
@@ -114,21 +114,20 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
 
     saver = BackgroundSaver(job, published=keep) if cfg.async_save and cfg.ckpt_dir \
         else None
-    began = [time.perf_counter()]
-
     def save(step: int) -> None:
-        if saver is not None:  # waits for the previous save, stages this one
-            seconds = saver.save(step)
-        else:
-            seconds = save_state(job, step)
+        if saver is None:
+            window.saved(step, save_state(job, step), clock.last_s)
             keep()
-        window.saved(step, seconds, clock.last_s)
+            return
+        saver.save(step)  # waits for the previous save, stages this one
+        if saver.written is not None and saver.written[0] not in window.steps:
+            window.saved(*saver.written, clock.last_s)
 
     def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
         clock.step_done()
         with clock.paused():  # saves, evaluations and logging are no step's time
             if step == start + 1:
-                ddist.rprint(f"step {step} took {time.perf_counter() - began[0]:.2f} s "
+                ddist.rprint(f"step {step} took {time.perf_counter() - began:.2f} s "
                              "(the first step includes one-time work: allocation, "
                              "buckets, kernels' first calls)", flush=True)
             saved = cfg.ckpt_dir and (step == cfg.steps or (
@@ -161,7 +160,7 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
 
     # Without clipping the norm is still measured: clipping to inf multiplies every
     # gradient by exactly 1.0 (the clip coefficient min(inf / norm, 1)).
-    began[0] = time.perf_counter()
+    began = time.perf_counter()  # the first step's clock (on_step reads it)
     with stop:
         result = run_steps(job.par, job.model, batch_fn, cfg.steps, start=start,
                            local=True, wrapped=job.model, optimizer=job.optimizer,
@@ -171,6 +170,8 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
                            record_params=False, on_step=on_step)
     if saver is not None:
         saver.close()  # the last save is written and published before we leave
+        if saver.written is not None and saver.written[0] not in window.steps:
+            window.saved(*saver.written, clock.last_s)
     log.close()
     if cfg.export_hf:
         export_hf(job, cfg.export_hf)
@@ -223,9 +224,12 @@ class _Window:
     would not fit, are reported with the margin."""
 
     def __init__(self, timeout_s: float) -> None:
-        self.timeout_s, self.seconds, self.reported = timeout_s, [], False
+        self.timeout_s, self.reported = timeout_s, False
+        self.steps: list[int] = []  # the saves measured, and their seconds
+        self.seconds: list[float] = []
 
     def saved(self, step: int, save_s: float, step_s: float | None) -> None:
+        self.steps.append(step)
         self.seconds.append(save_s)
         need = save_s + (step_s or 0.0)
         fits = need < self.timeout_s

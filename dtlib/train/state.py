@@ -46,7 +46,7 @@ from dtlib.checkpoint.state import (atomic_save, checkpoint_dir, clean_leftovers
 from dtlib.models.run import full_tensor, unwrap
 from dtlib.runtime.dist import rprint
 from dtlib.train.identity import (IDENTITY, Refusal, compare, read_identity,
-                                  run_identity, step_dirs)
+                                  step_dirs)
 from dtlib.train.job import Job, lr_lambda
 
 __all__ = ["save_state", "begin_save", "publish", "resume", "param_digest",
@@ -135,12 +135,12 @@ def _newest_good(job: Job, state: dict[str, Any]
     rank's damaged shard makes every rank fall back to the one before, with a
     warning. A checkpoint of another run is never fallen back from: it is refused
     (the directory check before start-up refuses it first)."""
-    now = run_identity(job.cfg, dist.get_world_size())
     damaged: list[str] = []
     for path in step_dirs(job.cfg.ckpt_dir):
         saved = read_identity(path)
-        if saved is not None and compare(saved, now).fixed:
-            raise Refusal(compare(saved, now).refusal(path) or path)
+        found = compare(saved, job.identity) if saved is not None else None
+        if found is not None and found.fixed:
+            raise Refusal(found.refusal(path))
         mine, problem = _check_mine(path, state) if saved is not None else \
             (set(), f"{IDENTITY} unreadable")
         bad = torch.tensor([int(bool(problem))], device=job.world.device)
@@ -212,8 +212,7 @@ def begin_save(job: Job, step: int) -> tuple[str, str]:
         clean_leftovers(job.cfg.ckpt_dir)  # what a killed save left behind
         os.makedirs(tmp, exist_ok=True)
         with open(os.path.join(tmp, IDENTITY), "w") as f:
-            json.dump(run_identity(job.cfg, dist.get_world_size()), f, indent=1,
-                      sort_keys=True)
+            json.dump(job.identity, f, indent=1, sort_keys=True)
     dist.barrier()
     atomic_save({"step": step, "scheduler": job.scheduler.state_dict(),
                  "sampler": job.sampler.state_dict(), **rng_state(),
@@ -320,8 +319,7 @@ def resume(job: Job) -> int:
                       "a good copy, or pass --fresh to start from step 0 (the "
                       "damaged ones are moved, untouched, into superseded-K/)")
     saved = read_identity(path)
-    now = run_identity(cfg, dist.get_world_size())
-    found = compare(saved, now, frozenset(cfg.allow_change_names))
+    found = compare(saved, job.identity, frozenset(cfg.allow_change_names))
     refused = found.refusal(path)
     if refused:
         raise Refusal(refused)
