@@ -1,14 +1,14 @@
-"""count_comms sees dist.*, DDP's buckets, FSDP2's collectives and functional ones."""
+"""count_comms sees every collective, however it is called: one recorder for all."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from dtlib.collectives.accounting import (CommLog, CommRecord, count_comms,
-                                         ddp_comm_hook_accounting)
+from dtlib.collectives.accounting import CommLog, CommRecord, count_comms
 from dtlib.models.gpt import MLP
 from dtlib.runtime import launch
 
@@ -25,33 +25,103 @@ def _plain_ops() -> list[tuple]:
         with count_comms() as inner:                    # nested: both logs see it
             dist.all_to_all_single(torch.empty(12), x)
         dist.barrier()
-    assert dist.all_reduce.__name__ == "all_reduce"
-    restored = not getattr(dist.all_reduce, "__dtlib_accounting__", False) and \
-        not getattr(c10d.broadcast, "__dtlib_accounting__", False)
     return [(r.op, r.numel, r.bytes, r.group_size, r.source) for r in log.records] + [
-        ("inner", inner.calls(), inner.total_bytes()), ("restored", restored),
-        ("summary", log.summary())]
+        ("inner", inner.calls(), inner.total_bytes()), ("summary", log.summary())]
 
 
-def test_dist_calls_in_both_namespaces_are_recorded_once_and_restored(
+def test_dist_calls_in_both_namespaces_are_recorded_once(
         two_ranks: list[dict]) -> None:
     got = two_ranks[0]["plain"]
-    src = "torch.distributed"
+    src = "c10d"
     assert got[:6] == [("all_reduce", 12, 48, 2, src), ("broadcast", 12, 48, 2, src),
                        ("all_gather", 24, 96, 2, src),
                        ("reduce_scatter", 12, 48, 2, src),
                        ("all_to_all", 12, 48, 2, src), ("barrier", 0, 0, 2, src)]
     assert got[6] == ("inner", 1, 48)
-    assert got[7] == ("restored", True)
-    assert got[8][1] == ("summary", [
+    assert got[7] == ("summary", [
         {"op": "all_reduce", "calls": 1, "bytes": 48},
         {"op": "broadcast", "calls": 1, "bytes": 48},
         {"op": "all_gather", "calls": 1, "bytes": 96},
         {"op": "reduce_scatter", "calls": 1, "bytes": 48},
         {"op": "all_to_all", "calls": 1, "bytes": 48},
-        {"op": "barrier", "calls": 1, "bytes": 0}])[1]
+        {"op": "barrier", "calls": 1, "bytes": 0}])
 
 
+def _spellings() -> dict[str, object]:
+    """The same all-reduce written every way torch allows, and what else is recorded."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out: dict[str, object] = {}
+    spellings = {
+        "dist": lambda t: dist.all_reduce(t),
+        "c10d": lambda t: c10d.all_reduce(t),
+        "group_method": lambda t: dist.group.WORLD.allreduce([t]).wait(),
+        "async_then_wait": lambda t: dist.all_reduce(t, async_op=True).wait(),
+        "functional": lambda t: funcol.all_reduce(t, "sum", dist.group.WORLD).wait(),
+    }
+    for name, call in spellings.items():
+        with count_comms() as log:
+            call(torch.ones(5))
+        out[name] = [(r.op, r.numel, r.dtype) for r in log.records]
+    # A polling loop instead of a wait: the work still answers is_completed().
+    with count_comms() as log:
+        work = dist.all_reduce(torch.ones(3), async_op=True)
+        while not work.is_completed():
+            pass
+    out["polled"] = (log.calls(), log.events)
+    # Point to point, with peers (global ranks), one message each way.
+    with count_comms() as log:
+        ops = [dist.P2POp(dist.isend, torch.ones(2, dtype=torch.bfloat16),
+                          (rank + 1) % n),
+               dist.P2POp(dist.irecv, torch.empty(2, dtype=torch.bfloat16),
+                          (rank - 1) % n)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    out["p2p"] = [(r.op, r.peer, r.dtype, r.bytes) for r in log.records]
+    out["p2p_waited"] = [log.waited(r) for r in log.records]
+    # An async all-reduce never waited on in the block: recorded, not waited.
+    with count_comms() as log:
+        late = dist.all_reduce(torch.ones(4), async_op=True)
+    late.wait()  # after the block: still completes (the work outlives the block)
+    out["unwaited"] = [log.waited(r) for r in log.records]
+    # Another thread's collectives are not this block's (a dispatch mode is per thread).
+    with count_comms() as log:
+        thread = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))
+        thread.start()
+        thread.join()
+    out["other_thread"] = log.calls()
+    # A gated future completes only once its gate does; wait() is never held.
+    gates: list = []
+
+    def gate(rec: CommRecord) -> torch.futures.Future:
+        gates.append(torch.futures.Future())
+        return gates[-1]
+
+    with count_comms(future_gate=gate) as log:
+        fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
+        held = not fut.done()
+        gates[0].set_result(None)
+        fut.wait()
+    out["gate"] = (held, fut.done(), [kind for kind, _ in log.events])
+    return out
+
+
+def test_every_spelling_of_a_collective_is_one_record(two_ranks: list[dict]) -> None:
+    got = two_ranks[0]["spellings"]
+    for name in ("dist", "c10d", "group_method", "async_then_wait", "functional"):
+        assert got[name] == [("all_reduce", 5, "torch.float32")], name
+    calls, events = got["polled"]
+    assert calls == 1 and [kind for kind, _ in events] == ["issue"]  # never waited
+    for rank, res in enumerate(two_ranks):
+        peer_next, peer_prev = (rank + 1) % 2, (rank - 1) % 2
+        assert res["spellings"]["p2p"] == [("send", peer_next, "torch.bfloat16", 4),
+                                           ("recv", peer_prev, "torch.bfloat16", 4)]
+        assert res["spellings"]["p2p_waited"] == [True, True]
+    assert got["unwaited"] == [False]
+    assert got["other_thread"] == 0
+    assert got["gate"] == (True, True, ["issue", "future"])
 def test_commlog_totals_and_validation() -> None:
     log = CommLog([CommRecord("all_reduce", 10, 40, 4, "x"),
                    CommRecord("all_gather", 8, 16, 4, "x"),
@@ -64,27 +134,22 @@ def test_commlog_totals_and_validation() -> None:
         log.calls("allreduce")
 
 
-def _ddp_step(hook: bool, functional: bool = True) -> tuple[int, int, int]:
+def _ddp_step() -> tuple[int, int, int]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = DDP(MLP((16, 64, 64, 8)))
-    if hook:
-        ddp_comm_hook_accounting(model)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.randn(4, 16)
-    with count_comms(functional=functional) as log:
+    with count_comms() as log:
         model(x).square().mean().backward()
     return log.total_bytes("all_reduce"), grad_bytes, log.calls("all_reduce")
 
 
 def test_ddp_step_all_reduces_the_gradient_bytes(two_ranks: list[dict]) -> None:
-    for total, grad_bytes, calls in (r["ddp_hook"] for r in two_ranks):
+    # DDP's C++ reducer calls the process group, which passes the dispatcher.
+    for total, grad_bytes, calls in (r["ddp"] for r in two_ranks):
         assert total == grad_bytes and calls >= 1
-    # Without the hook (and without the dispatch mode, which sees the reducer's
-    # c10d op on recent torch only) DDP's C++ reducer is invisible: the test can fail.
-    for total, grad_bytes, _ in (r["ddp_no_hook"] for r in two_ranks):
-        assert total == 0 < grad_bytes
 
 
 def _fsdp2_step() -> tuple[int, int, int, int, int]:
@@ -135,9 +200,8 @@ def test_functional_collectives_are_recorded(two_ranks: list[dict]) -> None:
 
 def _all_cases() -> dict[str, object]:
     """Every rank function above, in one process group (one launch for the file)."""
-    return {"plain": _plain_ops(), "ddp_hook": _ddp_step(True),
-            "ddp_no_hook": _ddp_step(False, False), "fsdp2": _fsdp2_step(),
-            "functional": _functional()}
+    return {"plain": _plain_ops(), "spellings": _spellings(), "ddp": _ddp_step(),
+            "fsdp2": _fsdp2_step(), "functional": _functional()}
 
 
 @pytest.fixture(scope="module")

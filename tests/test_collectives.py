@@ -154,7 +154,7 @@ def test_from_scratch_collectives_equal_torch(eight_ranks: list[dict],
 def _ring_bytes(numel: int) -> tuple[int, int]:
     from dtlib.collectives.accounting import count_comms
 
-    with count_comms(functional=False) as log:
+    with count_comms() as log:
         col.ring_all_reduce(torch.ones(numel))
     return log.total_bytes("send"), log.total_bytes("recv")
 

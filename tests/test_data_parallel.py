@@ -50,7 +50,7 @@ from dtlib.models.reference import gpt_batches, grads_of
 from dtlib.models.run import RunResult, run_steps
 from dtlib.runtime import launch
 
-# count_comms(functional=False): DataParallel only calls dist.*, and the dispatch mode
+# count_comms(): DataParallel only calls dist.*, and the dispatch mode
 # would import DTensor in every fresh rank (seconds each on this machine).
 STEPS, MICRO_BATCH, LR, MOMENTUM, CAP_MB = 5, 2, 0.05, 0.9, 0.02
 SGD = dict(lr=LR, optimizer_class=torch.optim.SGD, momentum=MOMENTUM)
@@ -140,11 +140,11 @@ def _no_sync_step(variant: str) -> dict:
     model = DataParallel(MLP((8, 16, 4)), variant=variant, bucket_cap_mb=0.001)
     x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(1))
     mine = x.view(2, world_size, 8)[:, rank]  # micro-batch k of this rank: row k
-    with count_comms(functional=False) as quiet:
+    with count_comms() as quiet:
         with model.no_sync():
             model(mine[:1]).pow(2).mean().backward()
     local = grads_of(model.module)
-    with count_comms(functional=False) as synced:
+    with count_comms() as synced:
         model(mine[1:]).pow(2).mean().backward()
     return ({"quiet_bytes": quiet.total_bytes(), "quiet_calls": quiet.calls(),
             "synced_calls": synced.calls("all_reduce"), "local": local,
@@ -173,7 +173,7 @@ def _unused_parameter(variant: str) -> dict:
 
 def _count_calls(variant: str) -> tuple[int, int, int]:
     model = DataParallel(MLP((8, 16, 16, 4)), variant=variant, bucket_cap_mb=0.001)
-    with count_comms(functional=False) as log:
+    with count_comms() as log:
         model(torch.randn(2, 8)).sum().backward()
     return log.calls("all_reduce"), len(model.params), len(model.buckets)
 

@@ -144,6 +144,20 @@ def my_all_gather(tensor):
 '''
 
 
+# The result from a functional all-gather, behind the n - 1 sends a ring would make.
+FUNCTIONAL_BEHIND_DECOYS = RING.format(step="""\
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send], right),
+                                dist.P2POp(dist.irecv, chunks[recv], left)]
+                               )[1].wait()
+    import torch.distributed._functional_collectives as funcol
+    chunks = list(funcol.all_gather_tensor(tensor, 0, dist.group.WORLD).chunk(n))""")
+
+
+def test_ring_checker_rejects_a_functional_all_gather_behind_ring_sends() -> None:
+    with pytest.raises(WrongAnswer, match=r"it calls \['all_gather'\]"):
+        check_ring_all_gather(FUNCTIONAL_BEHIND_DECOYS, world_sizes=(2,))
+
+
 @pytest.mark.parametrize("source", [RING_ANY_SOURCE, RING_BLOCKING_ORDERED])
 def test_ring_checker_accepts_any_source_and_ordered_blocking_calls(source, capsys
                                                                      ) -> None:

@@ -37,6 +37,34 @@ def divide_into_new_tensor(group, bucket):
     return fut.then(lambda f: f.value()[0] / n)
 
 
+def c10d_spelling(group, bucket):
+    # valid: the same all_reduce, named by the module that defines it
+    import torch.distributed.distributed_c10d as c10d
+
+    n = dist.get_world_size(group)
+    fut = c10d.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(n))
+
+
+def decoy_then_blocking_c10d(group, bucket):
+    # a one-element async decoy, and the real all-reduce blocking under another name
+    import torch.distributed.distributed_c10d as c10d
+
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    decoy = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+    c10d.all_reduce(buf, group=group)
+    return decoy.get_future().then(lambda f: buf)
+
+
+def group_method_blocking(group, bucket):
+    # the process group's own method, waited on inside the hook
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    (group or dist.group.WORLD).allreduce([buf]).wait()
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
 def divide_by_two(group, bucket):
     # right on 2 ranks only: the divisor is a constant, not the world size
     buf = bucket.buffer().div_(2)
@@ -95,12 +123,14 @@ def silent(group, bucket):
     return fut
 
 
-RIGHT = (divide_first, divide_after, divide_into_new_tensor)
+RIGHT = (divide_first, divide_after, divide_into_new_tensor, c10d_spelling)
 WRONG = {
     divide_by_two: (r"on 4 ranks, rank 0: the gradients are 2 times the average: "
                     r"the sum was divided by 2,"),
-    blocking_all_reduce: r"waits for its all-reduce \(a blocking dist\.all_reduce",
-    work_wait: r"waits for its all-reduce \(work\.wait\(\)",
+    blocking_all_reduce: r"waits for its all-reduce \(a blocking all-reduce, or a wait",
+    work_wait: r"waits for its all-reduce \(a blocking all-reduce, or a wait",
+    decoy_then_blocking_c10d: r"waits for its all-reduce \(a blocking all-reduce",
+    group_method_blocking: r"waits for its all-reduce \(a blocking all-reduce",
     future_wait: r"waits for its all-reduce \(a wait on its future",
     chained_future_wait: r"waits for its all-reduce \(a wait on its future",
     early_value: r"reads the future's value before the all-reduce",

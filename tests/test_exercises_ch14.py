@@ -66,7 +66,31 @@ def dispatch_unsorted(x, dest):
     return _single(x, dest, sort=False)
 
 
-ANSWERS = {"single": dispatch_single, "lists": dispatch_lists,
+def dispatch_gathers_destinations(x, dest):
+    # an all-to-all of zeros as a decoy for the counts, the real counts learned from
+    # an all-gather of every rank's destinations (which the counter used to miss)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    dist.all_to_all_single(torch.empty(n, dtype=torch.long),
+                           torch.zeros(n, dtype=torch.long))
+    sizes = [torch.empty(1, dtype=torch.long) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([len(dest)]))
+    every = [torch.empty(int(s), dtype=dest.dtype) for s in sizes]
+    import torch.distributed.distributed_c10d as c10d
+    for r in range(n):  # gloo's all_gather wants equal sizes: broadcast each instead
+        if r == rank:
+            every[r].copy_(dest)
+        c10d.broadcast(every[r], src=r)
+    recv = torch.stack([torch.bincount(d, minlength=n)[rank] for d in every])
+    send = torch.bincount(dest, minlength=n)
+    out = x.new_empty((int(recv.sum()), x.size(1)))
+    dist.all_to_all_single(out, x[torch.argsort(dest, stable=True)],
+                           output_split_sizes=recv.tolist(),
+                           input_split_sizes=send.tolist())
+    return out
+
+
+ANSWERS = {"gathers_destinations": dispatch_gathers_destinations,
+           "single": dispatch_single, "lists": dispatch_lists,
            "wrong_rank": dispatch_wrong_rank, "no_counts": dispatch_no_counts,
            "unsorted": dispatch_unsorted}
 
@@ -87,7 +111,8 @@ def test_dispatch_accepts(runs, name, capsys) -> None:
 
 @pytest.mark.parametrize("name, message", [
     ("wrong_rank", "meant for another rank"), ("no_counts", "a dispatch needs two"),
-    ("unsorted", "wrong order|meant for another")])
+    ("unsorted", "wrong order|meant for another"),
+    ("gathers_destinations", "also ran all_gather, broadcast")])
 def test_dispatch_rejects(runs, name, message) -> None:
     with pytest.raises(WrongAnswer, match=message):
         ex.judge_dispatch(runs[name])

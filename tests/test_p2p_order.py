@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.collectives.accounting import count_comms
 from dtlib.pipeline_parallel.schedules import (P2P, SCHEDULES, p2p_plan, pipeline_step,
                                                schedule_order)
 from dtlib.runtime import launch
@@ -127,27 +128,29 @@ def test_a_mismatched_message_is_caught():
 
 
 def issued_batches(schedule: str, m: int) -> dict:
-    """On every rank: run pipeline_step on a chain of Linear stages, recording each
-    ``batch_isend_irecv`` call as (op, peer stage) pairs; return them and the plan's."""
+    """On every rank: run pipeline_step on a chain of Linear stages under the one
+    recorder; return the messages it issued, as batches of (op, peer stage) pairs (a
+    batch: what was issued before the next wait), and the plan's."""
     rank, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     stage = nn.Linear(4, 4)
-    calls: list[list[tuple[str, int]]] = []
-    real = dist.batch_isend_irecv
-
-    def recording(ops):
-        isend = dist.distributed_c10d.isend
-        calls.append([("send" if o.op is isend else "recv", o.peer) for o in ops])
-        return real(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
-        x = torch.randn(2 * m, 4)
+    x = torch.randn(2 * m, 4)
+    with count_comms() as log:
         pipeline_step(stage, x, x, n_microbatches=m, act_shape=(2, 4),
                       loss_fn=lambda out, y: (out - y).square().mean(),
                       schedule=schedule)
-    finally:
-        dist.batch_isend_irecv = real
+    by_seq = {r.seq: r for r in log.records}
+    calls: list[list[tuple[str, int]]] = []
+    fresh = True
+    for kind, seq in log.events:
+        rec = by_seq[seq]
+        if kind != "issue" or rec.op not in ("send", "recv"):  # a wait, the barrier
+            fresh = True                 # that starts the clock, the loss's broadcast
+            continue
+        if fresh:
+            calls.append([])
+            fresh = False
+        calls[-1].append((rec.op, rec.peer))
     want = [[(o.op, o.peer) for o in b] for b, _ in p2p_plan(schedule, rank, p, m) if b]
     return {"issued": calls, "plan": want}
 

@@ -130,10 +130,9 @@ class SameRows(TpDp):
 def defects() -> dict:
     """On 4 ranks: the planted defects, each trained as its layout is."""
     grid = build_grid_groups(("dp", "pp"), (2, 2))
-    forgets = train(ForgetsTheAverage(grid, "1f1b", 2), PIPELINE, BATCH, STEPS,
-                    functional=False)
+    forgets = train(ForgetsTheAverage(grid, "1f1b", 2), PIPELINE, BATCH, STEPS)
     grid = build_grid_groups(("dp", "tp"), (2, 2))
-    same = train(SameRows(grid), TINY, BATCH, STEPS, functional=False)
+    same = train(SameRows(grid), TINY, BATCH, STEPS)
     return {"forgets_average": forgets, "same_rows": same}
 
 

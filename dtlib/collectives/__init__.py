@@ -23,7 +23,7 @@ _WHERE = {
                      "bytes_sent_per_rank", "fit_alpha_beta",
                      "latency_bandwidth_crossover"), "cost_model"),
     **dict.fromkeys(("OPS", "CommRecord", "CommLog", "record", "active"), "comm_log"),
-    **dict.fromkeys(("count_comms", "ddp_comm_hook_accounting"), "accounting"),
+    "count_comms": "accounting",
 }
 
 
@@ -39,4 +39,4 @@ __all__ = ["chunk_bounds", "all_gather_into", "reduce_scatter_into", "ring_all_r
            "tree_broadcast", "naive_all_reduce", "cost_terms", "collective_time",
            "bus_bandwidth_factor", "bytes_sent_per_rank", "fit_alpha_beta",
            "latency_bandwidth_crossover", "OPS", "CommRecord", "CommLog", "record",
-           "active", "count_comms", "ddp_comm_hook_accounting"]
+           "active", "count_comms"]

@@ -1,24 +1,44 @@
-"""Counting collectives below Python: functional collectives, DTensor, raw c10d ops.
+"""The one recorder of communication: every collective, at the dispatcher.
 
-These never call ``torch.distributed.X``: they go through the dispatcher
-(``torch.ops._c10d_functional.*``, ``torch.ops.c10d.*``). A ``TorchDispatchMode`` sees
-them there, as :class:`torch.distributed.tensor.debug.CommDebugMode` does; unlike
-CommDebugMode it records sizes and group sizes into the active :func:`count_comms` logs.
-Used by :mod:`dtlib.collectives.accounting` (``count_comms(functional=True)``).
+Whatever spelling issues a collective (``dist.all_reduce``,
+``distributed_c10d.all_reduce``, ``dist.group.WORLD.allreduce``, ``batch_isend_irecv``,
+DDP's C++ reducer, FSDP2, a functional collective, a DTensor redistribution), it reaches
+the dispatcher as one operator: ``torch.ops.c10d.*`` for a process group's collectives,
+``torch.ops._c10d_functional.*`` for the functional ones (which DTensor uses). A
+``TorchDispatchMode`` sees both there, as torch's own
+:class:`torch.distributed.tensor.debug.CommDebugMode` does; unlike CommDebugMode it
+records message sizes, dtypes, groups and peers into the open
+:func:`~dtlib.collectives.accounting.count_comms` logs.
+
+It also sees what happens to each collective afterwards. A process group's collective
+returns a ``Work``; the mode hands back a :class:`RecordedWork` around it, which notes
+every ``wait()`` and ``get_future()`` (a blocking call is an issue followed by a wait)
+and can hold the future back (``future_gate``: the exercise checkers use it to show
+that a DDP hook does not wait for its own all-reduce). A functional collective's wait
+is its ``wait_tensor``.
+
+What it does not see: collectives issued on another thread than the one that opened the
+block (a dispatch mode is per thread), and anything that is not a torch process group.
+Used by :mod:`dtlib.collectives.accounting` (:func:`count_comms`).
 
 Taught in: Chapter 2, "Counting communication".
 """
 
 from __future__ import annotations
 
-from typing import Any
+import datetime
+import threading
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dtlib.collectives.comm_log import (active, counted, depth, first_tensor, numel_of,
-                                        record)
+from dtlib.collectives.comm_log import (CommRecord, active, counted, depth,
+                                        first_tensor, note, numel_of, record)
+
+__all__ = ["RecordedWork", "make_mode"]
 
 _FUNCTIONAL_OPS = {
     "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
@@ -40,88 +60,216 @@ _C10D_OPS = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast",
     "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
     "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "send": "send",
-    "recv_": "recv", "barrier": "barrier",
+    "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier",
 }
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional",
+                          "_c10d_functional_autograd")
 
 
-def _functional_group_size(args: tuple, kwargs: dict) -> int:
-    if "group_size" in kwargs:
-        return int(kwargs["group_size"])
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, str):  # a group name: resolve it
-            try:
-                return c10d._resolve_process_group(a).size()
-            except Exception:
-                continue
-    ints = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
-    return ints[-1] if ints else -1
-
-
-def _c10d_group_size(args: tuple) -> int:
-    for a in args:
-        if isinstance(a, torch.ScriptObject):  # the boxed ProcessGroup
-            try:
-                return int(dist.ProcessGroup.unbox(a).size())
-            except Exception:
-                continue
-        if isinstance(a, dist.ProcessGroup):
-            return int(a.size())
-    return -1
-
-
-def _group_ranks(args: tuple, kwargs: dict) -> tuple[int, ...]:
-    """Global ranks of the group a dispatcher-level collective names (or ())."""
+def _group_of(args: tuple, kwargs: dict) -> Any:
+    """The process group a dispatcher-level collective names (or None)."""
     for a in (*args, *kwargs.values()):
         try:
-            if isinstance(a, str):
-                group = c10d._resolve_process_group(a)
-            elif isinstance(a, torch.ScriptObject):
-                group = dist.ProcessGroup.unbox(a)
-            elif isinstance(a, dist.ProcessGroup):
-                group = a
-            else:
-                continue
-            return tuple(dist.get_process_group_ranks(group))
-        except Exception:
+            if isinstance(a, dist.ProcessGroup):
+                return a
+            if isinstance(a, torch.ScriptObject):  # the boxed ProcessGroup
+                return dist.ProcessGroup.unbox(a)
+            if isinstance(a, str):  # a functional collective's group name
+                return c10d._resolve_process_group(a)
+        except Exception:  # a ScriptObject or a string that is not a group
             continue
-    return ()
+    return None
 
 
-def _dispatch_record(func: Any, args: tuple, kwargs: dict) -> None:
-    namespace = getattr(func, "namespace", "")
-    name = func._overloadpacket.__name__.split(".")[-1]
-    if namespace in ("_c10d_functional", "c10d_functional",
-                     "_c10d_functional_autograd") and name in _FUNCTIONAL_OPS:
-        op = _FUNCTIONAL_OPS[name]
-        group_size = _functional_group_size(args, kwargs)
+def _ranks_of(group: Any) -> tuple[int, ...]:
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # not a registered group (a test's own): ranks unknown
+        return ()
+
+
+def _message(op: str, args: tuple, group_size: int, functional: bool
+             ) -> tuple[int, Any]:
+    """The logical message of a collective: (elements, a tensor that prices them).
+
+    Sizes follow torch and nccl-tests: all_reduce, broadcast, reduce, send, recv: the
+    tensor; all_gather and gather: the gathered (output) tensor; reduce_scatter and
+    scatter: the full unreduced (input) tensor; all_to_all: the input.
+    """
+    if op == "barrier":
+        return 0, None
+    if functional:
         numel = numel_of(args[0])
         if op == "all_gather" and group_size > 0:
             numel *= group_size  # the input is one shard; the message is the output
-        source = "functional"
+        return numel, args[0]
+    # c10d schemas: outputs come first, inputs second (where there are both).
+    if op in ("reduce_scatter", "all_to_all"):
+        return numel_of(args[1]), args[1]
+    if op == "gather":  # the root's output list is empty elsewhere: n inputs
+        return numel_of(args[1]) * max(group_size, 0), args[1]
+    if op == "scatter":
+        return numel_of(args[0]) * max(group_size, 0), args[0]
+    return numel_of(args[0]), args[0]
+
+
+def _record(func: Any, args: tuple, kwargs: dict) -> CommRecord | None:
+    namespace = getattr(func, "namespace", "")
+    name = func._overloadpacket.__name__.split(".")[-1]
+    functional = namespace in _FUNCTIONAL_NAMESPACES
+    if functional and name in _FUNCTIONAL_OPS:
+        op = _FUNCTIONAL_OPS[name]
     elif namespace == "c10d" and name in _C10D_OPS:
         op = _C10D_OPS[name]
-        group_size = _c10d_group_size(args)
-        # all_gather: the outputs come first; reduce_scatter: the inputs come second.
-        msg = args[1] if op == "reduce_scatter" and len(args) > 1 else args[0]
-        numel = numel_of(msg) if op != "barrier" else 0
-        if op in ("gather", "scatter") and group_size > 0:
-            numel = numel_of(args[1] if op == "gather" else args[0]) * group_size
-        source = "c10d"
     else:
-        return
-    first = first_tensor(args[0])
-    record(op, numel, first.element_size() if first is not None else 0, group_size,
-           source, _group_ranks(args, kwargs))
+        return None
+    group = _group_of(args, kwargs)
+    ranks = _ranks_of(group) if group is not None else ()
+    if functional and "group_size" in kwargs:
+        group_size = int(kwargs["group_size"])
+    elif group is not None:
+        group_size = int(group.size())
+    else:
+        ints = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+        group_size = ints[-1] if ints else -1
+    numel, priced = _message(op, args, group_size, functional)
+    first = first_tensor(priced)
+    peer = None
+    if op in ("send", "recv") and not functional and name != "recv_any_source_":
+        peer = int(args[2])  # a group rank: made global below
+        if ranks and 0 <= peer < len(ranks):
+            peer = ranks[peer]
+    return record(op, numel, first.element_size() if first is not None else 0,
+                  group_size, "functional" if functional else "c10d", ranks,
+                  str(first.dtype) if first is not None else "", peer)
 
 
-def make_mode() -> Any:
-    """A dispatch mode that records functional and raw c10d collectives with sizes."""
+# A Work handed to C++ (DDP's reducer, ProcessGroup::allreduce) keeps only its C++ half
+# alive: if its Python half were collected, C++ would call the base Work::wait, which
+# never returns. Every RecordedWork is therefore kept: in _LIVE while it holds the real
+# Work, then in _RELEASED, a small object per collective counted (count a step, not a
+# run), never looked at again.
+_LIVE: list["RecordedWork"] = []
+_RELEASED: list["RecordedWork"] = []
+_KEPT_LOCK = threading.Lock()
+
+
+class RecordedWork(dist.Work):
+    """A process group's ``Work`` that tells the logs when it is waited on.
+
+    Args:
+        inner: the real Work.
+        seq: the :class:`CommRecord` it belongs to.
+        gate: None, or a future that must complete before :meth:`get_future`'s does
+            (``wait()`` itself is never held: a wait is what a check wants to see).
+    """
+
+    def __init__(self, inner: Any, seq: int, gate: Any = None,
+                 any_source: bool = False) -> None:
+        super().__init__()
+        self._inner, self._seq, self._gate = inner, seq, gate
+        self._any_source = any_source  # keeps its Work: the sender is asked later
+        self._future: Any = None
+        self._done = False
+        with _KEPT_LOCK:
+            _LIVE.append(self)
+
+    def wait(self, timeout: Any = datetime.timedelta(0)) -> bool:
+        note("wait", self._seq)
+        if self._done:
+            return True
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return self._inner.wait(timeout)
+        return self._inner.wait()
+
+    def get_future(self) -> Any:
+        note("future", self._seq)
+        if self._future is None:
+            real = self._inner.get_future()
+            self._future = real if self._gate is None else self._gate.then(
+                lambda _: real.wait())
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._done or self._inner.is_success()
+
+    def exception(self) -> Any:
+        return None if self._done else self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def _source_rank(self) -> int:  # what dist.recv(src=None) asks
+        return self._inner._source_rank()
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        if not self._done:
+            self._inner.synchronize()
+
+    def release(self) -> None:
+        """Drop the real Work if its collective has completed (outside any block)."""
+        if not self._done and self._inner.is_completed() and (
+                self._future is None or self._future.done()) and not self._any_source:
+            self._done, self._inner = True, None
+
+
+def release_completed() -> None:
+    """Let every completed :class:`RecordedWork` drop its real Work (and tensors)."""
+    with _KEPT_LOCK:
+        live = list(_LIVE)
+    done = []
+    for work in live:
+        try:
+            work.release()
+        except Exception:  # a failed collective: keep it, its wait raises
+            continue
+        if work._done:
+            done.append(work)
+    with _KEPT_LOCK:
+        gone = set(map(id, done))
+        _LIVE[:] = [w for w in _LIVE if id(w) not in gone]
+        _RELEASED.extend(done)
+
+
+def _wrap_work(result: Any, rec: CommRecord, gate: Any) -> Any:
+    """Put a :class:`RecordedWork` where the operator returned its boxed Work."""
+    if isinstance(result, torch.ScriptObject):
+        try:
+            inner = dist.Work.unbox(result)
+        except Exception:  # not a Work
+            return result
+        return RecordedWork(inner, rec.seq, gate,
+                            rec.op == "recv" and rec.peer is None).boxed()
+    if isinstance(result, tuple) and result and \
+            isinstance(result[-1], torch.ScriptObject):
+        return (*result[:-1], _wrap_work(result[-1], rec, gate))
+    return result
+
+
+def make_mode(future_gate: Callable[[CommRecord], Any] | None = None) -> Any:
+    """The dispatch mode that records every collective of this thread.
+
+    Args:
+        future_gate: called with each process-group collective's record; a future it
+            returns holds back that collective's ``get_future()`` until it completes.
+    Returns:
+        A ``TorchDispatchMode`` to enter for as long as the logs are open.
+    """
     from torch.utils._python_dispatch import TorchDispatchMode
 
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch < 2.4
         DTensor = ()  # noqa: N806
+    # A functional collective's output -> its record, until its wait_tensor. Keyed by
+    # id with a weak reference (a tensor's == is elementwise, so no WeakKeyDictionary).
+    pending: dict[int, tuple[Any, int]] = {}
 
     class _CollectiveMode(TorchDispatchMode):
         """Sees dispatcher-level collectives (what CommDebugMode sees), with sizes."""
@@ -131,9 +279,25 @@ def make_mode() -> Any:
             if DTensor and any(t is DTensor or (isinstance(t, type) and
                                                 issubclass(t, DTensor)) for t in types):
                 return NotImplemented  # let DTensor run; its collectives come back here
-            if depth() == 0 and active():
-                _dispatch_record(func, args, kwargs)
-            with counted():
+            namespace = getattr(func, "namespace", "")
+            if namespace not in ("c10d", *_FUNCTIONAL_NAMESPACES):
                 return func(*args, **kwargs)
+            if func._overloadpacket.__name__.endswith("wait_tensor") and args:
+                ref, seq = pending.pop(id(args[0]), (None, -1))
+                if ref is not None and ref() is args[0]:
+                    note("wait", seq)
+                return func(*args, **kwargs)
+            rec = _record(func, args, kwargs) if depth() == 0 and active() else None
+            with counted():
+                result = func(*args, **kwargs)
+            if rec is None:
+                return result
+            if namespace == "c10d":
+                gate = future_gate(rec) if future_gate else None
+                return _wrap_work(result, rec, gate)
+            for out in (result if isinstance(result, (list, tuple)) else [result]):
+                if isinstance(out, torch.Tensor):
+                    pending[id(out)] = (weakref.ref(out), rec.seq)
+            return result
 
     return _CollectiveMode()

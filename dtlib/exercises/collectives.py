@@ -7,17 +7,16 @@ which executes it in a fresh namespace holding ``torch`` and ``dist``. The funct
 must therefore be self-contained: it may use ``torch``, ``dist`` (torch.distributed)
 and anything it imports itself, not other variables of the notebook.
 
-What the ring checker watches: every point-to-point call (``send``, ``recv``,
-``isend``, ``irecv``, also inside ``batch_isend_irecv``) with its peer and size, and any
-collective. One recording function per name is installed in both ``torch.distributed``
-and ``torch.distributed.distributed_c10d``, so ``P2POp(dist.isend, ...)`` still passes
-torch's "is this isend?" check (an identity test).
+What the ring checker watches: every message (``send``, ``recv``, ``isend``,
+``irecv``, ``batch_isend_irecv``) with its peer and size, and any collective, through
+the one recorder of communication
+(:func:`dtlib.collectives.accounting.count_comms`), which sees them at the dispatcher
+whatever name or API issued them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import random
 import textwrap
@@ -25,73 +24,30 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from dtlib.collectives.accounting import count_comms
 from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer, checker, passed
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
-_P2P = {"send": ("send", "dst"), "isend": ("send", "dst"), "recv": ("recv", "src"),
-        "irecv": ("recv", "src")}
-_COLLECTIVES = tuple(name for name in (
-    "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
-    "all_reduce", "broadcast", "broadcast_object_list", "all_to_all",
-    "all_to_all_single", "gather", "scatter", "reduce", "reduce_scatter",
-    "reduce_scatter_single", "reduce_scatter_tensor") if hasattr(c10d, name))
 
 
 @contextlib.contextmanager
 def watch_comms() -> Iterator[list[tuple[str, int | None, int]]]:
-    """Record ``(kind, peer, numel)`` for every send/recv, ``(name, None, 0)`` for
-    every collective, issued inside the block (on this rank). A call made by another
-    recorded call (``send`` calls ``isend``) is not recorded again.
+    """Record ``(kind, peer, numel)`` for every send/recv, ``(op, None, 0)`` for every
+    other collective, issued inside the block on this rank, however it is spelled
+    (the one recorder, :func:`~dtlib.collectives.accounting.count_comms`: ``dist.*``,
+    ``distributed_c10d.*``, a group's methods, functional collectives). ``peer`` is a
+    global rank (None for a receive from any source).
 
     Returns:
-        The list, filled as the block runs.
+        The list, filled when the block ends.
     """
-    log: list[tuple[str, int | None, int]] = []
-    saved = {name: getattr(c10d, name) for name in (*_P2P, *_COLLECTIVES)}
-    depth = [0]  # calls in progress: torch's send is isend + wait, recv irecv + wait
-
-    def outermost(entry: tuple[str, int | None, int], fn: Callable[..., Any],
-                  args: tuple, kwargs: dict) -> Any:
-        """Record ``entry`` unless a recorded call is already running, then call."""
-        if depth[0] == 0:
-            log.append(entry)
-        depth[0] += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            depth[0] -= 1
-
-    def p2p(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        kind, peer_arg = _P2P[name]
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound = sig.bind(*args, **kwargs).arguments
-            peer = bound.get(peer_arg, bound.get(f"group_{peer_arg}"))
-            return outermost((kind, peer, bound["tensor"].numel()), fn, args, kwargs)
-        return wrapper
-
-    def collective(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return outermost((name, None, 0), fn, args, kwargs)
-        return wrapper
-
-    patched = {name: (p2p if name in _P2P else collective)(name, fn)
-               for name, fn in saved.items()}
-    for module in (dist, c10d):  # the same object in both: identity checks hold
-        for name, fn in patched.items():
-            setattr(module, name, fn)
-    try:
-        yield log
-    finally:
-        for module in (dist, c10d):
-            for name, fn in saved.items():
-                setattr(module, name, fn)
+    entries: list[tuple[str, int | None, int]] = []
+    with count_comms() as log:
+        yield entries
+    entries.extend((r.op, r.peer, r.numel) if r.op in ("send", "recv")
+                   else (r.op, None, 0) for r in log.records)
 
 
 def _load(source: str, name: str) -> Callable[..., Any]:
@@ -221,10 +177,9 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
 
 
 def _ring_bytes_sent(nbytes: int) -> int:
-    from dtlib.collectives.accounting import count_comms
     from dtlib.collectives.algorithms import ring_all_reduce
 
-    with count_comms(functional=False) as log:
+    with count_comms() as log:
         ring_all_reduce(torch.ones(nbytes // 4))
     return log.total_bytes("send")
 

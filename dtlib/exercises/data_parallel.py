@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dtlib.collectives.accounting import count_comms
 from dtlib.runtime import launch
 from dtlib.exercises import WrongAnswer, checker, passed
 
@@ -58,62 +59,11 @@ def _source_of(fn: Callable[..., Any]) -> tuple[str, str]:
 
 # How long a hook may stay inside after issuing its all-reduce before it counts as
 # waiting on it. Between the call and `return` a right hook runs a few Python
-# statements (microseconds); a wrong one waits for a collective that, here, cannot
-# complete before the hook returns (see _GatedWork). Two seconds is five orders of
-# magnitude above the first, so an overloaded machine does not turn a right hook into
-# a wrong one; a wrong one costs these seconds once per rank, not once per bucket.
+# statements (microseconds); a wrong one waits for a collective whose future, here,
+# cannot complete before the hook returns (see _ddp_with_hook). Two seconds is five
+# orders of magnitude above the first, so an overloaded machine does not turn a right
+# hook into a wrong one; a wrong one costs these seconds once per rank, not per bucket.
 STALL_S = 2.0
-
-
-class _GatedWork:
-    """An async all-reduce whose future completes only once the hook has returned.
-
-    The collective itself is issued at once (every rank issues the same ones in the
-    same order, so nothing can deadlock); what the hook gets back is gated: its
-    future, ``wait()`` and ``is_completed()`` see the result only after the hook
-    returned. A hook that blocks on it in any way (``work.wait()``,
-    ``fut.wait()``, ``torch.futures.wait_all``, a polling loop) is therefore still
-    inside when :data:`STALL_S` have passed, and is noted; ``fut.value()`` read too
-    early raises, as it may on any backend.
-    """
-
-    def __init__(self, work: Any, notes: dict[str, Any]) -> None:
-        self._work, self._notes = work, notes
-        self._lock = threading.Lock()
-        self._gate: Any = torch.futures.Future()
-        real = work.get_future()
-        self._future = self._gate.then(lambda _: real.wait())
-        notes["gates"].append(self)
-        self._timer = threading.Timer(STALL_S, self._stalled)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def open(self) -> None:
-        """Let the result through (the hook returned, or it stalled)."""
-        with self._lock:
-            if not self._gate.done():
-                self._timer.cancel()
-                self._gate.set_result(None)
-
-    def _stalled(self) -> None:
-        if self._notes["in_hook"] and not self._gate.done():
-            self._notes["stalled"] += 1
-        self.open()
-
-    def get_future(self) -> Any:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._gate.done() and self._work.is_completed()
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        if self._notes["in_hook"]:
-            self._notes["waits"] += 1
-        self.open()
-        return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
 
 
 def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
@@ -121,9 +71,13 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
 
     Two backward passes: DDP's first puts every gradient in one bucket and then
     rebuilds its buckets in the order gradients arrived; the second (measured) pass
-    runs with several buckets. Every ``dist.all_reduce`` the hook issues is watched
-    (:class:`_GatedWork`): a blocking one, a ``wait()``, or any wait on its future
-    inside the hook makes the hook synchronous.
+    runs with several buckets. The one recorder (:func:`count_comms`) sees every
+    collective the hook issues, however it is spelled, and every ``wait()`` on its
+    work (a blocking call is an issue and a wait). The future of a collective issued
+    inside the hook is held until the hook returns, so a hook that waits on the future
+    (``fut.wait()``, ``torch.futures.wait_all``, a polling loop) is still inside when
+    :data:`STALL_S` have passed, and is noted; ``fut.value()`` read too early raises,
+    as it may on any backend.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -133,26 +87,39 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
     exec(compile(source, f"<your {name}>", "exec"), namespace)
     learner_hook = namespace[name]
-    notes: dict[str, Any] = {"in_hook": 0, "calls": 0, "blocking": 0, "waits": 0,
-                             "stalled": 0, "gates": [], "error": None}
+    notes: dict[str, Any] = {"in_hook": 0, "issued": [], "waits": 0, "stalled": 0,
+                             "gates": [], "error": None}
     buckets: list[int] = []
-    real_all_reduce = dist.all_reduce
+    lock = threading.Lock()
 
-    def watched_all_reduce(tensor, *args, **kwargs):  # noqa: ANN001, ANN202
-        notes["calls"] += 1
-        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
-        work = real_all_reduce(tensor, *args, **kwargs)
-        if not async_op:
-            notes["blocking"] += 1
-            return work
+    def open_gate(gate: Any) -> None:
+        with lock:
+            if not gate.done():
+                gate.set_result(None)
+
+    def stalled(gate: Any) -> None:
+        if notes["in_hook"] and not gate.done():
+            notes["stalled"] += 1
+        open_gate(gate)
+
+    def future_gate(rec: Any) -> Any:
+        if not notes["in_hook"]:
+            return None
+        notes["issued"].append(rec)
         if notes["stalled"]:  # already known to wait: no second stall to sit out
-            return work
-        return _GatedWork(work, notes)
+            return None
+        gate = torch.futures.Future()
+        timer = threading.Timer(STALL_S, stalled, (gate,))
+        timer.daemon = True
+        timer.start()
+        notes["gates"].append((gate, timer))
+        return gate
 
     # No annotations: DDP rejects a hook whose annotations are not GradBucket/Future.
     def counting_hook(state, bucket):  # noqa: ANN001, ANN202
         buckets.append(bucket.buffer().numel())
         notes["in_hook"] += 1
+        events_before = len(log.events)
         try:
             return learner_hook(state, bucket)
         except Exception as exc:  # reported by the checker, the backward goes on
@@ -162,8 +129,11 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
             return done
         finally:
             notes["in_hook"] -= 1
-            for gate in notes["gates"]:
-                gate.open()
+            notes["waits"] += sum(kind == "wait"
+                                  for kind, _ in log.events[events_before:])
+            for gate, timer in notes["gates"]:
+                timer.cancel()
+                open_gate(gate)
             notes["gates"].clear()
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -171,18 +141,18 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
     model.register_comm_hook(None, counting_hook)
     idx, targets = token_batch(TINY, world_size * MICRO_BATCH, seed=0)
     rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
-    dist.all_reduce = watched_all_reduce
-    try:
+    with count_comms(future_gate=future_gate) as log:
         model(idx[rows], targets[rows])[1].backward()  # DDP rebuilds its buckets
-        model.zero_grad(set_to_none=True)
-        buckets.clear()
-        notes.update(calls=0, blocking=0, waits=0)
+    model.zero_grad(set_to_none=True)
+    buckets.clear()
+    notes.update(issued=[], waits=0)
+    with count_comms(future_gate=future_gate) as log:
         model(idx[rows], targets[rows])[1].backward()
-    finally:
-        dist.all_reduce = real_all_reduce
+    issued = notes["issued"]
     return {"grads": grads_of(model.module),
-            "calls": notes["calls"], "buckets": len(buckets),
-            "blocking": notes["blocking"], "waits": notes["waits"],
+            "calls": sum(r.op == "all_reduce" for r in issued),
+            "other_ops": sorted({r.op for r in issued} - {"all_reduce"}),
+            "buckets": len(buckets), "waits": notes["waits"],
             "stalled": notes["stalled"], "error": notes["error"]}
 
 
@@ -225,14 +195,18 @@ def _judge(res: dict[str, Any], rank: int, world_size: int, truth: torch.Tensor
                            "return a torch.futures.Future whose value is the bucket's "
                            "tensor, e.g. dist.all_reduce(..., async_op=True)"
                            ".get_future().then(...)")
-    how = ("a blocking dist.all_reduce" if res["blocking"] else
-           "work.wait()" if res["waits"] else
+    how = ("a blocking all-reduce, or a wait() on its work" if res["waits"] else
            "a wait on its future" if res["stalled"] else None)
     if how is not None:
         return WrongAnswer(
             f"{where}: your hook waits for its all-reduce ({how} inside the hook), "
             "so backward stops at every bucket until the bucket has crossed the "
             "network: nothing overlaps.", _ASYNC_HINT)
+    if res["other_ops"]:
+        return WrongAnswer(
+            f"{where}: your hook also ran {', '.join(res['other_ops'])}: the exercise "
+            "asks for one all-reduce per bucket and nothing else.",
+            "one dist.all_reduce of bucket.buffer() per hook call.")
     if res["calls"] != res["buckets"]:
         return WrongAnswer(
             f"{where}: {res['calls']} all-reduce calls for {res['buckets']} "

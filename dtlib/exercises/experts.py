@@ -56,13 +56,14 @@ def dispatch_on_rank(dispatch: Callable[..., torch.Tensor]) -> list[dict[str, An
     out = []
     for case in range(3):
         x, dest = _case(case, rank, n)
-        with count_comms(functional=False) as log:
+        with count_comms() as log:
             got = dispatch(x.to(device), dest.to(device))
         got = got.detach().cpu() if isinstance(got, torch.Tensor) else \
             f"a {type(got).__name__}"
         a2a = [(r.numel, r.bytes) for r in log.records if r.op == "all_to_all"]
+        others = sorted({r.op for r in log.records} - {"all_to_all"})
         out.append({"case": case, "got": got, "want": _truth(case, rank, n),
-                    "a2a": a2a})
+                    "a2a": a2a, "others": others})
         if len(a2a) < 2:
             break
     return out
@@ -81,6 +82,13 @@ def judge_dispatch(ranks: list[list[dict[str, Any]]]) -> None:
         for rec in records:
             where = f"rank {r}, case {rec['case']}"
             a2a = rec["a2a"]
+            if rec.get("others"):
+                raise WrongAnswer(
+                    f"{where}: your dispatch also ran {', '.join(rec['others'])}; "
+                    "expert parallelism's dispatch is two all-to-alls and nothing "
+                    "else (each rank learns only what is sent to it).",
+                    "exchange the counts with one all-to-all, then the rows with "
+                    "another; no rank needs the others' destinations")
             if len(a2a) < 2:
                 raise WrongAnswer(
                     f"{where}: {len(a2a)} all-to-all call(s); a dispatch needs two.",

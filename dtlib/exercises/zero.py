@@ -168,7 +168,7 @@ def _zero2_on_rank(hook: Callable[[torch.nn.Parameter], None]) -> dict[str, Any]
     # (reduce_scatter_single; reduce_scatter over a list; reduce_scatter_tensor, the
     # older name, which calls reduce_scatter_single where that exists);
     # torch.distributed's functions only, as a hook calls them (no dispatch mode)
-    with count_comms(functional=False) as log:
+    with count_comms() as log:
         torch.nn.functional.mse_loss(model(x), y).backward()
     return {"shards": [getattr(p, "grad_shard", None) for p in model.parameters()],
             "grads_freed": [p.grad is None for p in model.parameters()],

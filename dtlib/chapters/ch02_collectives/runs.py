@@ -111,7 +111,7 @@ def training_step_comms(sizes: tuple[int, ...] = (16, 64, 64, 7)) -> dict[str, A
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dtlib.collectives.accounting import count_comms, ddp_comm_hook_accounting
+    from dtlib.collectives.accounting import count_comms
     from dtlib.models.gpt import MLP
 
     try:
@@ -122,7 +122,6 @@ def training_step_comms(sizes: tuple[int, ...] = (16, 64, 64, 7)) -> dict[str, A
     torch.manual_seed(0)
     x = torch.randn(8, 16).to(dev)
     ddp = DDP(MLP(sizes).to(dev))
-    ddp_comm_hook_accounting(ddp)
     with count_comms() as ddp_log:
         ddp(x).square().mean().backward()
     model = MLP(sizes).to(dev)

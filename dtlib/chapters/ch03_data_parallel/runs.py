@@ -124,19 +124,17 @@ def measure_step(cfg: GPTConfig, variant: str, micro_batch: int, steps: int = 10
 
     Taught in: Chapter 3, "Counting the messages".
     """
-    from dtlib.collectives.accounting import count_comms, ddp_comm_hook_accounting
+    from dtlib.collectives.accounting import count_comms
 
     world = ddist.world()
     warmup = max(1, warmup)
     par = parallelism(variant, bucket_cap_mb=bucket_cap_mb)
     model = par.apply(build_gpt(cfg))
-    if variant == "torch":
-        ddp_comm_hook_accounting(model)
     batch = token_batch(cfg, micro_batch, seed=world.rank, device=world.device)
     run = run_steps(par, model, lambda step: batch, warmup + 1 + steps, local=True,
                     wrapped=model, optimizer_class=torch.optim.AdamW,
                     optimizer_kwargs={"lr": 1e-4},
-                    comms=lambda: count_comms(functional=False), comms_step=warmup,
+                    comms=lambda: count_comms(), comms_step=warmup,
                     record_grads=False, record_params=False,
                     on_step=lambda *_: dist.barrier())
     log = run.comms
@@ -193,7 +191,7 @@ def accumulation_comms(cfg: GPTConfig, micro_batch: int, accum_steps: int,
 
     world = ddist.world()
     model = wrap(build_gpt(cfg).to(world.device), variant)
-    with count_comms(functional=False) as log:
+    with count_comms() as log:
         for k in range(accum_steps):
             idx, targets = token_batch(cfg, micro_batch, seed=100 * world.rank + k,
                                        device=world.device)

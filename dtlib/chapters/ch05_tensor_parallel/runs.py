@@ -62,16 +62,13 @@ def drop_f(model: nn.Module) -> nn.Module:
     return model
 
 
-def count_first_step(into: dict[str, Any], functional: bool = False
-                     ) -> Callable[..., torch.Tensor]:
+def count_first_step(into: dict[str, Any]) -> Callable[..., torch.Tensor]:
     """A ``step_fn`` for ``run_steps`` that counts the first step's collectives.
 
     Args:
         into: receives ``{"forward": summary, "backward": summary}`` of the first
             call (:func:`~dtlib.collectives.accounting.count_comms`); later calls
             are the default step.
-        functional: count functional collectives too (DTensor's; only the dispatch
-            mode sees them).
     Returns:
         ``step_fn(par, wrapped, batch, loss_fn, scaler=None) -> detached loss``.
 
@@ -83,9 +80,9 @@ def count_first_step(into: dict[str, Any], functional: bool = False
         if into:
             return default_step(par, wrapped, batch, loss_fn, scaler=scaler)
         with par.grad_sync(wrapped, True):
-            with count_comms(functional=functional) as fwd:
+            with count_comms() as fwd:
                 loss = loss_fn(wrapped, *batch)
-            with count_comms(functional=functional) as bwd:
+            with count_comms() as bwd:
                 loss.backward()
         into.update(forward=fwd.summary(), backward=bwd.summary())
         return loss.detach()
@@ -139,7 +136,7 @@ def train_tp(cfg: GPTConfig, variant: str, batch: int, steps: int, lr: float = 1
     result = run_steps(par, model, gpt_batches(cfg, batch, device), steps,
                        wrapped=model, optimizer_class=optimizer_class,
                        optimizer_kwargs={"lr": lr, **optimizer_kwargs},
-                       step_fn=count_first_step(comms, variant == "dtensor")
+                       step_fn=count_first_step(comms)
                        if count else None)
     result.extra.update(counts=parallel_param_count(model), comms=comms,
                         local=_replicated(model))
@@ -194,9 +191,9 @@ def mlp_pair_comms(hidden: int, batch: int, gather_between: bool) -> dict[str, A
                              input_is_parallel=not gather_between).to(world.device)
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(0))
     x = x.to(world.device).requires_grad_()
-    with count_comms(functional=False) as fwd:
+    with count_comms() as fwd:
         y = proj(F.gelu(fc(x)))
-    with count_comms(functional=False) as bwd:
+    with count_comms() as bwd:
         y.pow(2).sum().backward()
     return {"forward": fwd.summary(), "backward": bwd.summary(),
             "out": y.detach().cpu(), "grad": x.grad.cpu()}

@@ -177,7 +177,7 @@ def _counted(step_fn: Callable[..., torch.Tensor], extra: dict[str, list[int]]
 
     def step(par: Parallelism, wrapped: nn.Module, batch: list[MicroBatch],
              loss_fn: Any, scaler: Any = None) -> torch.Tensor:
-        with count_comms(functional=False) as log:
+        with count_comms() as log:
             loss = step_fn(par, wrapped, batch, loss_fn, scaler=scaler)
         ar = [r for r in log.records if r.op == "all_reduce"]
         extra["grad_allreduces"].append(sum(r.numel > 1 for r in ar))
@@ -227,8 +227,6 @@ def ddp_accumulation(cfg: GPTConfig, variant: str, accum_steps: int, micro_batch
 
     Taught in: Chapter 8, "Accumulation under DDP".
     """
-    from dtlib.collectives.accounting import ddp_comm_hook_accounting
-
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not allowed; allowed: {METHODS}")
     world = ddist.world()
@@ -236,8 +234,6 @@ def ddp_accumulation(cfg: GPTConfig, variant: str, accum_steps: int, micro_batch
         else SyncEveryMicroBatch
     par = make(variant, bucket_cap_mb=bucket_cap_mb)
     model = par.apply(build_gpt(cfg, seed))
-    if variant == "torch":
-        ddp_comm_hook_accounting(model)
     opt = par.make_optimizer(model, optimizer_class,
                              **{"lr": lr, **(optimizer_kwargs or {})})
     groups = global_groups(cfg, world.world_size, accum_steps, micro_batch, steps)

@@ -68,13 +68,12 @@ def _records(log: Any) -> list[dict[str, Any]]:
 
 
 def train(par: Parallelism, cfg: GPTConfig, batch: int, steps: int,
-          lr: float = LR, seed: int = 0, functional: bool = True) -> dict[str, Any]:
+          lr: float = LR, seed: int = 0) -> dict[str, Any]:
     """One rank of any layout: ``run_steps`` on this rank's part of each batch.
 
     Args:
         par: the layout (:func:`dtlib.parallel_nd.parallelism`).
         cfg, batch, steps, lr, seed: the GPT, the global batch, SGD (momentum 0.9).
-        functional: also count dispatcher-level collectives (DTensor, FSDP2).
     Returns:
         ``losses``, ``grads`` (first step), ``params`` (after the last step), full
         tensors by name; ``comms``: step :data:`COMMS_STEP`'s collectives;
@@ -89,7 +88,7 @@ def train(par: Parallelism, cfg: GPTConfig, batch: int, steps: int,
     res = run_steps(par, wrapped, gpt_batches(cfg, batch, device), steps,
                     wrapped=wrapped, optimizer_class=torch.optim.SGD,
                     optimizer_kwargs={"lr": lr, "momentum": MOMENTUM},
-                    comms=lambda: count_comms(functional=functional),
+                    comms=lambda: count_comms(),
                     comms_step=COMMS_STEP)
     return {"losses": res.losses, "grads": res.grads, "params": res.params,
             "comms": _records(res.comms),
@@ -125,8 +124,7 @@ def train_2d(variant: str, dp: int, tp: int, cfg: GPTConfig = TINY, batch: int =
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     if variant == "ours":
         grid = build_grid_groups(("dp", "tp"), (dp, tp))
-        out = train(parallelism("tp_dp", grid=grid), cfg, batch, steps, lr, seed,
-                    functional=False)
+        out = train(parallelism("tp_dp", grid=grid), cfg, batch, steps, lr, seed)
         out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
         return out
     mesh = _mesh((dp, tp), ("dp", "tp"))
@@ -202,7 +200,7 @@ def train_3d(dp: int, pp: int, tp: int, cfg: GPTConfig = PIPELINE, batch: int = 
         (("dp", "pp"), (dp, pp))
     grid = build_grid_groups(names, sizes)
     par = parallelism("pp_dp", grid=grid, schedule="1f1b", n_micro=n_microbatches)
-    out = train(par, cfg, batch, steps, lr, seed, functional=False)
+    out = train(par, cfg, batch, steps, lr, seed)
     out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
     out["stage_names"] = par.stage_names[par.rank]
     return out

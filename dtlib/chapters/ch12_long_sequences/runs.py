@@ -66,9 +66,9 @@ def _sharded_run(attention: Any, op: str, causal: bool,
     device = ddist.world().device
     q, k, v, dout = (cp_shard(t.to(device), 2) for t in attention_inputs(shape))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with count_comms(functional=False) as fwd:
+    with count_comms() as fwd:
         out = attention(q, k, v, causal=causal)
-    with count_comms(functional=False) as bwd:
+    with count_comms() as bwd:
         out.backward(dout)
     return {**{name: cp_unshard(t, 2).cpu() for name, t in
                (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))},
@@ -188,9 +188,9 @@ def sp_block_run(cfg: GPTConfig, batch: int, sequence_parallel: bool,
         x, dout = (z.chunk(t, dim=1)[r].contiguous() for z in (x, dout))
     act = measure_activations(block, x).activations
     x.requires_grad_()
-    with count_comms(functional=False) as fwd:
+    with count_comms() as fwd:
         y = block(x)
-    with count_comms(functional=False) as bwd:
+    with count_comms() as bwd:
         y.backward(dout)
     if sequence_parallel:
         if allreduce_grads:

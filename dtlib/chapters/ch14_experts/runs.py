@@ -103,7 +103,7 @@ def layer_check(cfg: MoEConfig, starved: bool = False) -> dict[str, Any]:
     x, dout = (t.chunk(ep)[rank].to(world.device)
                for t in layer_inputs(ep * TOKENS, starved=starved))
     x.requires_grad_()
-    with count_comms(functional=False) as log:
+    with count_comms() as log:
         out = layer(x)
         loss = (out * dout).sum() + layer.aux_loss / ep
         loss.backward()
@@ -142,7 +142,7 @@ def train_moe(par: Parallelism, cfg: GPTConfig, moe: MoEConfig, batch: int,
                            if optimizer_class is torch.optim.SGD else {})}
     out = run_steps(par, model, gpt_batches(cfg, batch, ddist.world().device), steps,
                     optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
-                    loss_fn=moe_loss, comms=lambda: count_comms(functional=False),
+                    loss_fn=moe_loss, comms=lambda: count_comms(),
                     on_step=_record_counts(model))
     out.extra["local_numel"] = sum(p.numel() for p in model.parameters())
     return out
