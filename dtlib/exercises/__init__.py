@@ -25,6 +25,7 @@ import ast
 import functools
 import inspect
 import math
+import numbers
 import textwrap
 from typing import Any, Callable, TypeVar
 
@@ -182,14 +183,62 @@ def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],
         raise WrongAnswer(f"on {world_size} ranks {what} failed:\n{exc}") from None
 
 
+def as_number(got: Any) -> float | None:
+    """A learner's number as a float, however it is spelled, or None if it is none.
+
+    Every ``numbers.Real`` counts (``int``, ``float``, an exact ``Fraction``, numpy's
+    scalars such as ``np.int64`` and ``np.float32``), and a one-element tensor or
+    array; a
+    ``bool`` does not (``True`` is not an answer of 1).
+
+    Taught in: every chapter's exercises (the checkers' one rule for numbers).
+    """
+    if isinstance(got, bool) or type(got).__name__ == "bool_":
+        return None
+    if isinstance(got, numbers.Real):
+        return float(got)
+    if _is_scalar_tensor(got):
+        return as_number(got.item())
+    return None
+
+
+def as_integer(got: Any) -> int | None:
+    """A learner's integer as an int (any ``numbers.Integral``, numpy's included, a
+    ``Fraction`` whose denominator is 1, a one-element integer tensor), else None.
+
+    Taught in: every chapter's exercises (the checkers' one rule for counts).
+    """
+    if isinstance(got, bool) or type(got).__name__ == "bool_":
+        return None
+    if isinstance(got, numbers.Integral):
+        return int(got)
+    if isinstance(got, numbers.Rational) and got.denominator == 1:
+        return int(got.numerator)
+    if _is_scalar_tensor(got):
+        value = got.item()
+        return as_integer(value) if not isinstance(value, float) else None
+    return None
+
+
+def _is_scalar_tensor(got: Any) -> bool:
+    """A one-element torch tensor or numpy array (``.item()`` gives its number)."""
+    import torch
+
+    if isinstance(got, torch.Tensor):
+        return got.numel() == 1
+    return type(got).__name__ == "ndarray" and getattr(got, "size", 0) == 1
+
+
 def check_close(name: str, got: Any, expected: float, *, rel: float = 1e-6,
                 hint: str = "") -> None:
     """Raise :class:`WrongAnswer` unless ``got`` is a number within ``rel`` of
     ``expected``. The message says whether ``got`` is too large or too small, never
     the expected value: the learner derives it."""
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
+    value = as_number(got)
+    if value is None:
         raise WrongAnswer(f"{name}: expected a number, "
                           f"got {type(got).__name__} {got!r}")
+    got = value
     if not math.isclose(got, expected, rel_tol=rel, abs_tol=0.0 if expected else 1e-12):
         side = "too large" if got > expected else "too small"
         raise WrongAnswer(f"{name}: got {got!r}, {side}: expected a "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
+from dtlib.exercises import (WrongAnswer, as_number, as_integer, checker, passed,
+                             run_on_ranks)
 
 #: Token counts per rank, per micro-batch: ``cases[i][rank][k]``.
 SCALE_CASES: tuple[tuple[tuple[int, ...], ...], ...] = (
@@ -33,8 +34,9 @@ def check_allreduce_calls(calls: Callable[[int, int, bool], int]) -> None:
     for accum_steps, n_buckets, no_sync in ALLREDUCE_CASES:
         want = n_buckets if no_sync else accum_steps * n_buckets
         got = calls(accum_steps, n_buckets, no_sync)
-        if isinstance(got, bool) or not isinstance(got, int):
+        if as_integer(got) is None:
             raise WrongAnswer(f"expected an int, got {type(got).__name__} {got!r}")
+        got = as_integer(got)
         if got != want:
             hint = ("every backward outside no_sync all-reduces every bucket once"
                     if not no_sync else
@@ -94,8 +96,9 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
             for rank in range(n):
                 got, comms = ranks[rank][i]
                 where = f"world_size={n}, rank {rank}, token counts {counts}"
-                if isinstance(got, bool) or not isinstance(got, (int, float)):
+                if as_number(got) is None:
                     raise WrongAnswer(f"{where}: expected a number, got {got!r}")
+                got = as_number(got)
                 # N / T in float32 is within 2 ulps (2 * 2**-24 ~ 1.2e-7) of the
                 # truth (T < 2**24 is exact); rel_tol=1e-6 allows 16 ulps, while
                 # the wrong normalisers are off by factors (1/T_r, 1/T).

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dtlib.collectives.accounting import count_comms
 from dtlib.runtime import launch
-from dtlib.exercises import WrongAnswer, checker, passed
+from dtlib.exercises import WrongAnswer, as_number, checker, passed
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
 
@@ -211,9 +211,10 @@ def check_bytes_sent(predict: Callable[[int, int], float],
     for nbytes, n in cases:
         sent = launch.spawn(_ring_bytes_sent, n, nbytes, stream=False)
         got = predict(nbytes, n)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
+        if as_number(got) is None:
             raise WrongAnswer(f"predict({nbytes}, {n}) returned {got!r}: "
                               "return a number")
+        got = as_number(got)
         if any(abs(got - s) > 1e-6 * max(1, s) for s in sent):
             raise WrongAnswer(
                 f"all-reduce of {nbytes} bytes on {n} ranks: you predicted {got!r} "

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
-from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
+from dtlib.exercises import WrongAnswer, as_number, checker, passed, run_on_ranks
 
 _PAGE_WORLDS = (1, 2, 4)     # the world sizes the page names
 _MORE_WORLDS = (3, 5, 6)  # launched too, one of them drawn at random per check
@@ -25,7 +25,7 @@ def _all_reduce_rank_plus_one() -> float:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return as_number(value) is not None
 
 
 @checker

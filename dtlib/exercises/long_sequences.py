@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -32,7 +33,7 @@ def check_cp_volume(predict: Callable[[int, int, int, int], dict[str, Any]],
     """
     for b, s, h, cp in cases:
         got = predict(b, s, h, cp)
-        if not isinstance(got, dict):
+        if not isinstance(got, Mapping):
             raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
         truth = cp_volume(b, s, h, cp, n_heads=cp)
         where = f"b={b}, s={s}, h={h}, cp={cp}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
+from dtlib.exercises import (WrongAnswer, as_number, check_close, checker, passed,
+                             run_on_ranks)
 from dtlib.memory.formulas import GB, TrainingConfig, estimate, model_state_bytes
 
 # The model of the third exercise: a 13B-class GPT trained on 64 data-parallel GPUs.
@@ -33,8 +34,7 @@ def check_bytes_per_param(answer: float) -> None:
                  "parameter?",
              8: "8 bytes are Adam's two fp32 moments; the optimizer keeps more, and "
                 "so does the model itself."}
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool) \
-            and answer in hints:
+    if as_number(answer) is not None and as_number(answer) in hints:
         raise WrongAnswer(f"bytes per parameter: got {answer!r}; " + hints[answer],
                           _BYTES_HINT)
     check_close("bytes per parameter", answer, 16.0, hint=_BYTES_HINT)
@@ -47,8 +47,8 @@ def check_zero2_gb(n_params: float, dp: int, answer_gb: float) -> None:
     truth = {s: model_state_bytes(n_params, zero_stage=s, dp=dp).total / GB
              for s in STAGES}
     for s, name in ((0, "plain data parallelism"), (1, "ZeRO-1"), (3, "ZeRO-3")):
-        if isinstance(answer_gb, (int, float)) and not isinstance(answer_gb, bool) \
-                and abs(answer_gb - truth[s]) <= 1e-3 * truth[s] \
+        if as_number(answer_gb) is not None \
+                and abs(as_number(answer_gb) - truth[s]) <= 1e-3 * truth[s] \
                 and abs(truth[s] - truth[2]) > 1e-3 * truth[2]:
             raise WrongAnswer(
                 f"ZeRO-2 memory: {answer_gb!r} GB is the {name} figure. ZeRO-2 "
@@ -163,7 +163,7 @@ def saved_on_rank(count: Callable[..., Any]) -> list[Any]:
         layer = Block(GPTConfig(seq_len=s, hidden=h, n_heads=a)).to(device).train()
         x = torch.randn(batches[rank], s, h, device=device, requires_grad=True)
         got = count(layer, x)
-        out.append(got if isinstance(got, (int, float)) else repr(got))
+        out.append(as_number(got) if as_number(got) is not None else repr(got))
     return out
 
 

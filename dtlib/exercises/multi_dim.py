@@ -7,6 +7,7 @@ the dict the book's run prints, fails on the others.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,7 +46,7 @@ def check_predict_bytes(predict: Callable[..., dict[str, Any]],
     """
     for n_layers, s, h, batch, dp, numel in cases:
         got = predict(n_layers, s, h, batch, dp, numel)
-        if not isinstance(got, dict):
+        if not isinstance(got, Mapping):
             raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
         where = (f"n_layers={n_layers}, seq_len={s}, hidden={h}, batch={batch}, "
                  f"dp={dp}, local_numel={numel}")
@@ -100,7 +101,7 @@ def check_smallest_v(smallest_v: Callable[[Sequence[Llama3Row]], dict[Any, Any]]
     """
     for part in (tuple(TABLE4_LLAMA3), tuple(rows)):
         got = smallest_v(part)
-        if not isinstance(got, dict):
+        if not isinstance(got, Mapping):
             raise WrongAnswer(f"smallest_v must return a dict, got "
                               f"{type(got).__name__}")
         for row in part:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
+from dtlib.exercises import WrongAnswer, as_number, checker, passed, run_on_ranks
 from dtlib.pipeline_parallel.schedules import simulate
 
 # ---- reason it out: when does a stage start its first backward? ----------------------
@@ -34,9 +34,10 @@ def check_first_backward(predict: Callable[..., float]) -> None:
                     want = min(e.start for e in events
                                if e.stage == s and e.kind == "B")
                     got = predict(schedule, s, p, m, t_f, t_b)
-                    if isinstance(got, bool) or not isinstance(got, (int, float)):
+                    if as_number(got) is None:
                         raise WrongAnswer(f"predict returned {got!r}: return a time, "
                                           "a number")
+                    got = as_number(got)
                     # the clock adds exact binary fractions: only the learner's own
                     # rounding (a division, say) may differ, by a few ulps
                     if not math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-12):
@@ -196,8 +197,9 @@ def _check_numbers(res: list[dict[str, Any]], n_micro: int, hidden: int) -> None
     """Loss on rank 1 and both stages' gradients against one process."""
     truth = _pp_truth(n_micro, hidden)
     loss = res[1]["loss"]
-    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+    if as_number(loss) is None:
         raise WrongAnswer(f"rank 1 returned {loss!r}: return the summed loss, a number")
+    loss = as_number(loss)
     # float32 sums of a handful of terms, in another order: ~1e-7 relative; 1e-5 is
     # far below the factor m that the usual mistake makes
     if abs(loss - truth["loss"] * n_micro) < 1e-5 * abs(truth["loss"] * n_micro):

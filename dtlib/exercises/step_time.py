@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from dtlib.exercises import WrongAnswer, check_close, checker, passed
+from dtlib.exercises import WrongAnswer, as_number, check_close, checker, passed
 from dtlib.planner.overlap import Comm, two_streams
 
 
@@ -44,6 +44,7 @@ def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], fl
     """
     for fwd, bwd, buckets in cases:
         got = step_time(fwd, bwd, list(buckets))
+        got = got if as_number(got) is None else as_number(got)
         where = f"forward {fwd} s, backward {bwd} s, buckets {list(buckets)}"
         want = _truth(fwd, bwd, buckets)
         if isinstance(got, (int, float)) and not isinstance(got, bool):
@@ -124,6 +125,7 @@ def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
     for inputs, w, m in _cases(measured, cores):
         ranks = inputs["world_size"]
         got = predict_step(dict(inputs))
+        got = got if as_number(got) is None else as_number(got)
         want = predict("ddp/overlapped", w, m, ranks).total_s
         other = predict("ddp/bucketed", w, m, ranks).total_s  # no overlap at all
         where = f"world_size={ranks}, cores={inputs['cores']}"

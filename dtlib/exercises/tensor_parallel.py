@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -32,7 +33,7 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
     for h, b, s, tp in cases:
         got = predict(h, b, s, tp)
         truth = block_tp_numbers(h, b, s, tp)
-        if not isinstance(got, dict):
+        if not isinstance(got, Mapping):
             raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
         where = f"h={h}, b={b}, s={s}, tp={tp}"
         check_close(f"{where}: params_per_rank", got.get("params_per_rank"),

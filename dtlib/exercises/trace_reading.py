@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from dtlib.exercises import WrongAnswer, checker, passed
+from dtlib.exercises import WrongAnswer, as_number, checker, passed
 
 #: The strategy whose step the checker traces, and on how many gloo ranks.
 TRACE_STRATEGY, TRACE_WORLD = "ddp/overlapped", 2
@@ -75,9 +75,10 @@ def judge_exposed_comm(exposed_us: Callable[[list[Event]], float],
 
     want, tol = exposed_comm(events)["exposed_us"], band_us(events)
     got = exposed_us(list(events))
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
+    if as_number(got) is None:
         raise WrongAnswer(f"{where}: expected a number of microseconds, got "
                           f"{type(got).__name__} {got!r}")
+    got = as_number(got)
     if abs(got - want) <= tol:
         return want
     for wrong, why in _wrong_readings(events):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
+from dtlib.exercises import (WrongAnswer, as_number, check_close, checker, passed,
+                             run_on_ranks)
 
 _CASES = ((1, 4, 32, 1), (4, 2, 32, 1), (4, 2, 32, 4), (8, 1, 1024, 16))
 
@@ -22,6 +23,7 @@ def check_loss_multiplier(multiplier: Callable[[int, int, int, int], float]) -> 
     loss when DDP averages gradients over ranks (Chapter 10's loop, Chapter 8)."""
     for world_size, micro_batch, seq_len, accum_steps in _CASES:
         got = multiplier(world_size, micro_batch, seq_len, accum_steps)
+        got = got if as_number(got) is None else as_number(got)
         truth = _truth(world_size, micro_batch, seq_len, accum_steps)
         if isinstance(got, (int, float)) and world_size > 1 \
                 and abs(got - truth / world_size) <= 1e-12 * truth:
