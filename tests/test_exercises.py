@@ -109,6 +109,25 @@ def test_every_book_notebook_strips_and_keeps_its_checkers() -> None:
         assert stubs >= count, path.name
 
 
+def test_no_learner_copy_keeps_a_solution_fence_or_an_empty_box() -> None:
+    """A fence left in the next exercise's cell draws an empty exercise bar: every
+    fence goes, wherever it stands, and a cell left empty goes with it."""
+    from pathlib import Path
+
+    for path in sorted(Path("notebooks").glob("*.ipynb")):
+        nb, _ = strip_notebook(json.loads(path.read_text()))
+        for i, cell in enumerate(nb["cells"]):
+            src = "".join(cell["source"])
+            assert "{solution-" not in src, f"{path.name} cell {i}"
+            assert cell["cell_type"] != "markdown" or src.strip(), \
+                f"{path.name} cell {i} is an empty markdown cell"
+    # The case that used to slip through: a fence before the next exercise.
+    cell = {"cell_type": "markdown", "metadata": {}, "source":
+            "```{solution-end}\n```\n\n```{exercise} Next\n:label: ex-2\nText.\n```"}
+    nb, _ = strip_notebook({"cells": [cell]})
+    assert nb["cells"][0]["source"] == "```{exercise} Next\n:label: ex-2\nText.\n```"
+
+
 def test_check_close_rejects_wrong_and_non_numbers() -> None:
     check_close("x", 2.0, 2.0)
     with pytest.raises(WrongAnswer, match="got 3.0, too large: expected a smaller "

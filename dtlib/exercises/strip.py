@@ -120,7 +120,9 @@ def strip_source(source: str) -> str:
 
 _GLUE_TEXT = re.compile(r"\{glue:text\}`([^`:]+)(?::([^`]*))?`")
 _GLUE_MD = re.compile(r"```\{glue:md\}\s*(\S+)\n(?::[^\n]*\n)*```")
-_SOLUTION_FENCE = re.compile(r"^```\{solution-(start|end)\}[^`]*```\s*$", re.S)
+# A solution fence anywhere in a cell (alone, or before the next exercise's text).
+_SOLUTION_FENCE = re.compile(r"```\{solution-(?:start|end)\}[^\n]*\n(?::[^\n]*\n)*```"
+                             r"[ \t]*(?:\n|$)")
 #: The first code cell of a learner copy whose prose quotes glued numbers.
 GLUE_SETUP = (
     "# Learner copy: the numbers in the prose come from your own run. JupyterLab with\n"
@@ -142,7 +144,8 @@ def strip_notebook(nb: dict) -> tuple[dict, int]:
     """Strip every code cell of ``nb`` (a notebook as JSON); return it and the count.
 
     Markdown becomes readable in JupyterLab (:func:`readable_markdown`; the book's
-    solution fences, empty once the solution is gone, are dropped).
+    solution fences, empty once the solution is gone, are dropped wherever they stand,
+    and a cell left with nothing else goes too).
     """
     count = 0
     glue_used = False
@@ -151,8 +154,10 @@ def strip_notebook(nb: dict) -> tuple[dict, int]:
         src = (cell["source"] if isinstance(cell["source"], str)
                else "".join(cell["source"]))
         if cell.get("cell_type") == "markdown":
-            if _SOLUTION_FENCE.match(src.strip()):
-                continue
+            if _SOLUTION_FENCE.search(src):
+                src = _SOLUTION_FENCE.sub("", src).strip("\n")
+                if not src.strip():
+                    continue
             new = readable_markdown(src)
             glue_used |= new != src
             cell["source"] = new
