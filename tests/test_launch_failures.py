@@ -120,8 +120,12 @@ INTERRUPTED = """
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launch.torchrun({hang!r}, nproc=2, timeout=300, stream=False)
-    except KeyboardInterrupt:
-        print("interrupted", flush=True)
+    except KeyboardInterrupt as exc:  # what a notebook shows: the report, no frames
+        print("interrupted", type(exc).__name__, flush=True)
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance()
+        shell.showtraceback((type(exc), exc, exc.__traceback__))
+        sys.stdout.flush()
     result = launch.torchrun({hello!r}, nproc=2, timeout=120, stream=False)
     print("next launch ok", result.returncode, flush=True)
 """
@@ -173,9 +177,11 @@ def test_interrupt_ends_every_rank_and_next_launch_works(tmp_path, no_leftovers)
             # agent and the ranks (their own session), so that this failure does not
             # leave processes that the next tests' leftover checks would count
             kill_tree([proc.pid] + [p.pid for p in launched_processes(hang)])
-    assert "interrupted" in out
-    # Before ending the ranks, the launcher says where each one was.
+    assert "interrupted LaunchInterrupted" in out
+    # Before ending the ranks, the launcher says where each one was, and that alone:
+    # no traceback through the launcher's frames.
     assert "Interrupted. Where each rank was:" in out
+    assert "Traceback" not in out and "launch.py" not in out, out
     assert "rank 0: at hang.py line 6: time.sleep(600)" in out
     assert "rank 1: at hang.py line 6: time.sleep(600)" in out
     assert "next launch ok 0" in out

@@ -38,7 +38,7 @@ from dtlib.runtime.supervise import (CollectiveMismatch, LaunchError, LaunchResu
                                     threads_per_rank)
 
 __all__ = ["torchrun", "spawn", "spawn_script", "default_nproc", "LaunchError",
-           "LaunchTimeout", "CollectiveMismatch",
+           "LaunchTimeout", "LaunchInterrupted", "CollectiveMismatch",
            "LaunchResult", "kill_tree", "threads_per_rank", "CPU_NPROC",
            "LAUNCH_TIMEOUT_S"]
 
@@ -139,18 +139,35 @@ def torchrun(target: str | os.PathLike, *args: str, nproc: int | None = None,
         sup.close()
 
 
+class LaunchInterrupted(KeyboardInterrupt):
+    """A launch stopped by an interrupt (Jupyter's stop button, Ctrl-C).
+
+    Still a ``KeyboardInterrupt`` (code that catches one catches this), it carries the
+    report of where each rank was, and a notebook shows that report alone: IPython
+    renders an exception through its ``_render_traceback_``, so no traceback through
+    the launcher's frames follows it.
+    """
+
+    def __init__(self, report: str) -> None:
+        super().__init__(report)
+        self.report = report
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report.splitlines()
+
+
 @contextlib.contextmanager
 def _interrupt_report(sup: Supervisor, script: str | None) -> Iterator[None]:
-    """On KeyboardInterrupt (Jupyter's stop button), print where each rank was first."""
+    """On KeyboardInterrupt (Jupyter's stop button), say where each rank was."""
     try:
         yield
     except KeyboardInterrupt:
         try:
             sup.pump()
-            print(sup.interrupt_report(script), flush=True)
+            report = sup.interrupt_report(script)
         except Exception:  # the report is a courtesy; the interrupt must go through
-            pass
-        raise
+            report = "Interrupted."
+        raise LaunchInterrupted(report) from None
 
 
 def _check_launch_args(nproc: int, timeout: float) -> None:
