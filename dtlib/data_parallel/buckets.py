@@ -60,7 +60,7 @@ def allreduce_grads(params: Sequence[torch.Tensor], group: Any = None) -> int:
     calls = 0
     for p in params:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(grad, group=group)  # SUM: gloo has no AVG
+        dist.all_reduce(grad, group=group)  # SUM, then divide: what AVG does, shown
         grad.div_(world_size)
         _write_back(p, grad)
         calls += 1

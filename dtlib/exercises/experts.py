@@ -50,7 +50,7 @@ def dispatch_on_rank(dispatch: Callable[..., torch.Tensor]) -> list[dict[str, An
         Per case run: ``got`` (a CPU tensor or a description), ``want``, ``a2a``
         (``(elements, bytes)`` of each all-to-all).
 
-    Taught in: Chapter 14, "Expert parallelism from send and receive up".
+    Taught in: Chapter 14, "Expert parallelism on all-to-alls".
     """
     rank, n, device = dist.get_rank(), dist.get_world_size(), world().device
     out = []
@@ -74,7 +74,7 @@ def judge_dispatch(ranks: list[list[dict[str, Any]]]) -> None:
     all-to-all of one integer per rank) and then the rows, and received exactly
     the rows one process computes, grouped by source rank in source order.
 
-    Taught in: Chapter 14, "Expert parallelism from send and receive up" (its
+    Taught in: Chapter 14, "Expert parallelism on all-to-alls" (its
     exercise).
     """
     n = len(ranks)
@@ -136,7 +136,7 @@ def check_dispatch(dispatch: Callable[..., torch.Tensor]) -> None:
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
-    Taught in: Chapter 14, "Expert parallelism from send and receive up".
+    Taught in: Chapter 14, "Expert parallelism on all-to-alls".
     """
     ranks = run_on_ranks(dispatch_on_rank, dispatch, DISPATCH_WORLD,
                          what="your dispatch")

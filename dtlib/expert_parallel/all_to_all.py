@@ -11,7 +11,7 @@ gloo and NCCL both implement ``all_to_all_single`` with uneven ``input_split_siz
 and ``output_split_sizes``, zero-sized pieces included (checked on gloo by the tests),
 so nothing here is built from send and receive.
 
-Taught in: Chapter 14, "Expert parallelism from send and receive up".
+Taught in: Chapter 14, "Expert parallelism on all-to-alls".
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def exchange_counts(counts: torch.Tensor, group: Any = None) -> torch.Tensor:
     Returns:
         The same shape: row ``s`` is what rank ``s`` will send to this rank.
 
-    Taught in: Chapter 14, "Expert parallelism from send and receive up".
+    Taught in: Chapter 14, "Expert parallelism on all-to-alls".
     """
     if counts.size(0) == 1:  # a group of one: the counts stay here
         return counts.clone()
@@ -82,7 +82,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     Returns:
         The received rows, grouped by source rank.
 
-    Taught in: Chapter 14, "Expert parallelism from send and receive up".
+    Taught in: Chapter 14, "Expert parallelism on all-to-alls".
     """
     if len(in_splits) == 1:
         return x

@@ -12,7 +12,7 @@ ranks equals one process with ``MoEConfig(groups=ep)``. One forward:
 4. combine: the outputs go back by the reverse all-to-all, and each token sums its
    gate-weighted outputs (dropped assignments add nothing: the residual carries them).
 
-Taught in: Chapter 14, "Expert parallelism from send and receive up".
+Taught in: Chapter 14, "Expert parallelism on all-to-alls".
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ExpertParallelMoE(nn.Module):
         moe: the full layer.
         group: the expert-parallel process group (None: all ranks).
 
-    Taught in: Chapter 14, "Expert parallelism from send and receive up".
+    Taught in: Chapter 14, "Expert parallelism on all-to-alls".
     """
 
     def __init__(self, moe: MoE, group: Any = None) -> None:
