@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib.collectives.accounting import count_comms
-from dtlib.runtime import launch
+from dtlib.runtime import diagnose, launch
 from dtlib.exercises import WrongAnswer, as_number, checker, passed
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
@@ -148,6 +148,7 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
             raise WrongAnswer("the source has no top-level 'def'")
         name = line[4:].split("(")[0].strip()
     _load(source, name)  # syntax errors surface here, in the learner's process
+    diagnose.remember_source(f"<your {name}>", source)  # a hang report shows its lines
     # Beyond the page's shapes: one drawn at random per check, in float64.
     rng = random.Random(seed)
     extra = (tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3))),)

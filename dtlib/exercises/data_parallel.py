@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dtlib.collectives.accounting import count_comms
-from dtlib.runtime import launch
+from dtlib.runtime import diagnose, launch
 from dtlib.exercises import WrongAnswer, checker, passed
 
 MICRO_BATCH = 2
@@ -265,6 +265,8 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
         raise ValueError(f"world_sizes={world_sizes!r}: give integers >= 2 (a hook "
                          "needs peers to average with)")
     sources = [_source_of(hook) for hook in hooks]
+    for source, name in sources:  # a hang report shows the hook's own lines
+        diagnose.remember_source(f"<your {name}>", source)
     verdicts: list[WrongAnswer | None] = [None] * len(hooks)
     for world_size in world_sizes:
         todo = [i for i, v in enumerate(verdicts) if v is None]

@@ -241,6 +241,7 @@ class _ByValue:
     def __init__(self, fn: Callable[..., Any]) -> None:
         import cloudpickle
 
+        diagnose.remember_code(fn)  # so that a hang report can show its lines
         self.name = getattr(fn, "__qualname__", repr(fn))
         try:
             self.payload = cloudpickle.dumps(fn)
@@ -300,6 +301,7 @@ def spawn(fn: Callable[..., Any], world_size: int | None = None, *args: Any,
     _check_launch_args(world_size, timeout)
     if not callable(fn):
         raise ValueError(f"fn={fn!r} is not callable; pass the function each rank runs")
+    diagnose.remember_code(args, kwargs)  # functions among them go by value too
     return _spawn(_sendable(fn), world_size, args, kwargs, timeout, backend, stream,
                   Supervisor(world_size, stream, None))[0]
 
