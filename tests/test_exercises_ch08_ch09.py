@@ -42,6 +42,14 @@ def test_loss_scale_accepts_all_gather(capsys) -> None:
 
 # ---- Chapter 9: atomic save, judged by what it does to the files ----
 
+def _sync_dir(path, sync="fsync"):
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        getattr(os, sync)(fd)
+    finally:
+        os.close(fd)
+
+
 def _save_pathlib_rename(obj, path):
     from pathlib import Path
 
@@ -51,6 +59,33 @@ def _save_pathlib_rename(obj, path):
         f.flush()
         os.fsync(f.fileno())
     tmp.rename(path)  # calls os.rename
+    _sync_dir(path)
+
+
+def _written_and_synced(obj, path, sync="fsync"):
+    """The temporary file, written, flushed and synced (``os.<sync>``), renamed onto
+    ``path``; the directory left unsynced."""
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        getattr(os, sync)(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_fdatasync(obj, path):
+    # valid: fdatasync writes the data (and the size) as fsync does
+    _written_and_synced(obj, path, "fdatasync")
+    _sync_dir(path, "fdatasync")
+
+
+def _save_no_directory_sync(obj, path):
+    _written_and_synced(obj, path)  # the rename may be lost: the directory never synced
+
+
+def _save_directory_synced_first(obj, path):
+    _sync_dir(path)  # before the rename: it does not cover it
+    _save_no_directory_sync(obj, path)
 
 
 def _save_onto_itself(obj, path):
@@ -101,8 +136,9 @@ def _save_other_directory(obj, path):
     os.replace(tmp, path)
 
 
-def test_atomic_save_accepts_path_rename(capsys) -> None:
-    check_atomic_save(_save_pathlib_rename)
+@pytest.mark.parametrize("save", [_save_pathlib_rename, _save_fdatasync])
+def test_atomic_save_accepts_path_rename_and_fdatasync(save, capsys) -> None:
+    check_atomic_save(save)
     assert "Correct" in capsys.readouterr().out
 
 
@@ -112,6 +148,8 @@ def test_atomic_save_accepts_path_rename(capsys) -> None:
     (_save_unflushed, "not fsynced, with its data flushed"),
     (_save_final_first, "final path was written before the rename"),
     (_save_other_directory, "not in the checkpoint's directory"),
+    (_save_no_directory_sync, "directory was not fsynced after the rename"),
+    (_save_directory_synced_first, "directory was not fsynced after the rename"),
 ])
 def test_atomic_save_rejects(save, message) -> None:
     with pytest.raises(WrongAnswer, match=message):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from typing import Any, Callable, Iterable
 from unittest import mock
@@ -76,23 +77,40 @@ def _watched_save(save: Callable[[Any, str], Any], obj: Any, path: str
     At each rename onto ``path`` the source must be another file in ``path``'s
     directory, fsynced as it is now (same inode, size and modification time: nothing
     written after the fsync, the buffer flushed before it), and ``path`` must still
-    hold what it held before the save began (the old checkpoint never opened).
+    hold what it held before the save began (the old checkpoint never opened). After
+    the rename the directory itself must be fsynced, or the rename may not survive a
+    power cut. ``os.fdatasync`` counts as an fsync wherever ``os.fsync`` does.
     """
     before = _digest(path)
     synced: set[tuple[int, int, int, int]] = set()
     problems: list[str] = []
     onto_path = []
     real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
+    real_fdatasync = getattr(os, "fdatasync", os.fsync)
+    folder = os.stat(os.path.dirname(os.path.abspath(path)))
+    dir_synced = [False]  # the directory fsynced after the (last) rename onto path
+
+    def note_sync(fd: int) -> None:
+        st = os.fstat(fd)
+        synced.add(_fingerprint(st))
+        if stat.S_ISDIR(st.st_mode) and onto_path and \
+                (st.st_dev, st.st_ino) == (folder.st_dev, folder.st_ino):
+            dir_synced[0] = True
 
     def spy_fsync(fd: int) -> None:
         real_fsync(fd)
-        synced.add(_fingerprint(os.fstat(fd)))
+        note_sync(fd)
+
+    def spy_fdatasync(fd: int) -> None:
+        real_fdatasync(fd)
+        note_sync(fd)
 
     def judge(src: Any, dst: Any) -> None:
         src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
         if dst != os.path.abspath(path):
             return
         onto_path.append(src)
+        dir_synced[0] = False
         if src == dst:
             problems.append("path was renamed onto itself: the data went straight "
                             "into the final file, so a crash tears it")
@@ -120,11 +138,16 @@ def _watched_save(save: Callable[[Any, str], Any], obj: Any, path: str
 
     with mock.patch("os.replace", spy_replace), \
             mock.patch("os.rename", spy_rename), \
-            mock.patch("os.fsync", spy_fsync):
+            mock.patch("os.fsync", spy_fsync), \
+            mock.patch("os.fdatasync", spy_fdatasync, create=True):
         save(obj, path)
     if not onto_path:
         problems.append("path was not put in place by a rename "
                         "(os.replace(tmp, path) or os.rename(tmp, path))")
+    elif not problems and not dir_synced[0]:
+        problems.append("the directory was not fsynced after the rename: the rename "
+                        "is a change to the directory, and until the directory is "
+                        "on disk a power cut can undo it")
     return problems
 
 
@@ -134,8 +157,9 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
     write leaves the previous ``path`` intact; the data goes to a temporary file in
     ``path``'s directory (never to ``path`` itself), flushed and fsynced, which a
     rename then moves onto ``path`` (``os.replace``, or ``os.rename``, which POSIX also
-    makes atomic; ``Path.replace``/``Path.rename`` call them). Saves onto a new path
-    and onto an existing one, with tensors of two sizes."""
+    makes atomic; ``Path.replace``/``Path.rename`` call them), after which the directory
+    is fsynced (``os.fsync`` or ``os.fdatasync``). Saves onto a new path and onto an
+    existing one, with tensors of two sizes."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "step00000001.pt")
         for step, numel in ((1, 6), (2, 1 << 16)):  # a new file, then over it
@@ -144,7 +168,8 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
             if problems:
                 raise WrongAnswer(f"save #{step}: " + "; ".join(problems) + ".",
                                   "write to tempfile.mkstemp(dir=<path's directory>), "
-                                  "flush, os.fsync, then os.replace(tmp, path)")
+                                  "flush, os.fsync, os.replace(tmp, path), then "
+                                  "fsync the directory (os.open(dir, os.O_RDONLY))")
             try:
                 back = torch.load(path, weights_only=True)
             except Exception as exc:
