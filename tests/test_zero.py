@@ -613,15 +613,17 @@ def test_deepspeed_config_builds_consistent():
 
 # ---- exercise checkers --------------------------------------------------------------
 
-def _shard_step(params, grads, rank, m, v, step, lr, scale=None):
+def _shard_step(params, grads, rank, m, v, step, lr, scale=None, l2=False):
     world_size = len(grads)
     shard = params.numel() // world_size
     lo, hi = rank * shard, (rank + 1) * shard
     g = torch.stack(grads).sum(0)[lo:hi] / (scale or world_size)
+    if l2:  # Adam with L2: the decay goes through the moments
+        g = g + 0.01 * params[lo:hi]
     m = 0.9 * m + 0.1 * g
     v = 0.999 * v + 0.001 * g * g
     t = step + 1
-    p = params[lo:hi] * (1 - lr * 0.01)
+    p = params[lo:hi] * (1 - lr * 0.01) if not l2 else params[lo:hi]
     return p - lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
 
 
@@ -632,6 +634,8 @@ def test_exercise_zero1_shard_step():
     check_zero1_shard_step(_shard_step)
     with pytest.raises(WrongAnswer, match="summed gradient"):
         check_zero1_shard_step(functools.partial(_shard_step, scale=1))
+    with pytest.raises(WrongAnswer, match="Adam with L2 regularisation"):
+        check_zero1_shard_step(functools.partial(_shard_step, l2=True))
     with pytest.raises(WrongAnswer, match="shape"):
         check_zero1_shard_step(lambda params, *a: params)
 

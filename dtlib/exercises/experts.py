@@ -130,9 +130,10 @@ def check_dispatch(dispatch: Callable[..., torch.Tensor]) -> None:
     this rank receives, grouped by source rank, each source's in its order.
 
     Args:
-        dispatch: the learner's function: one all-to-all of the counts, one of the
-            rows (``all_to_all_single`` with split sizes, or ``all_to_all`` of
-            lists; both pass).
+        dispatch: the learner's function: one all-to-all of the counts (either
+            form), one of the rows. The rows need ``all_to_all_single`` with split
+            sizes on gloo: its list form ``all_to_all`` wants equal shapes there,
+            which uneven routing does not give (NCCL takes uneven lists).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 

@@ -83,6 +83,12 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
                         bias_correction=False),
                  "bias correction is missing: divide m by 1 - beta1**t and v by "
                  "1 - beta2**t with t = step + 1"),
+                (_adamw(params[lo:hi], mean[lo:hi] + WEIGHT_DECAY * params[lo:hi],
+                        m, v, step, lr, decay=False),
+                 "that is Adam with L2 regularisation: the decay was added to the "
+                 "gradient, so it went through m and v. AdamW decouples it: multiply "
+                 "p by 1 - lr * weight_decay, and give the moments the gradient "
+                 "alone"),
                 (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr, decay=False),
                  "weight decay is missing: AdamW multiplies p by "
                  "1 - lr * weight_decay"),
