@@ -485,6 +485,13 @@ def test_learner_copy_turns_glue_roles_into_eval_of_the_learners_values() -> Non
     exec(GLUE_SETUP, {})  # noqa: S102
     exec(sources[2], {})  # noqa: S102
     assert repr(lab.glued("ch9_x", ".2f")) == "3.14"
+    # Plain text only, so that jupyterlab-myst sets it inline like a word (its
+    # Markdown form would be a paragraph inside the sentence); glued Markdown keeps it.
+    assert not hasattr(lab.glued("ch9_x", ".2f"), "_repr_markdown_")
+    from IPython.display import Markdown
+
+    lab.GLUED["ch9_table"] = Markdown("| a |\n|---|\n| 1 |")
+    assert lab.glued("ch9_table")._repr_markdown_().startswith("| a |")
 
 
 def _global_scale(local_tokens):

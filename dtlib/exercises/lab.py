@@ -22,14 +22,22 @@ GLUED: dict[str, Any] = {}
 
 
 class Shown:
-    """Text that a notebook displays as itself (no quotes), as plain text or
-    Markdown."""
+    """Text that a notebook displays as itself (no quotes), as plain text only.
+
+    No Markdown form: jupyterlab-myst renders an ``{eval}`` result's Markdown as a
+    paragraph inside the sentence (a gap after the number, a taller line), its plain
+    text inline, like a word.
+    """
 
     def __init__(self, text: str) -> None:
         self.text = text
 
     def __repr__(self) -> str:
         return self.text
+
+
+class ShownMarkdown(Shown):
+    """Glued Markdown (a ``{glue:md}`` block: a table, a sentence with emphasis)."""
 
     def _repr_markdown_(self) -> str:
         return self.text
@@ -64,7 +72,7 @@ def glued(name: str, fmt: str = "") -> Shown:
         return Shown(f"[{name}: run the cells above]")
     value = GLUED[name]
     if hasattr(value, "_repr_markdown_") and not fmt:
-        return Shown(value._repr_markdown_())
+        return ShownMarkdown(value._repr_markdown_())
     if hasattr(value, "data") and isinstance(getattr(value, "data"), str) and not fmt:
-        return Shown(value.data)  # an IPython Markdown object
+        return ShownMarkdown(value.data)  # an IPython Markdown object
     return Shown(format(value, fmt) if fmt else str(value))
