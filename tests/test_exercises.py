@@ -316,6 +316,9 @@ def _save_with_rename(obj, path):
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(dir_fd)  # the rename itself, on disk
+    os.close(dir_fd)
 
 
 def test_atomic_save_checker_accepts_os_rename(capsys) -> None:
