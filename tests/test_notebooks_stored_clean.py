@@ -30,3 +30,30 @@ def test_only_tagged_cells_may_fail_and_chapter_has_one_title(path: Path) -> Non
     h1 = [c for c in nb["cells"] if c["cell_type"] == "markdown"
           and any(line.startswith("# ") for line in "".join(c["source"]).splitlines())]
     assert len(h1) == 1, f"{path.name}: one H1 title per chapter"
+
+
+def _glue_only(source: str) -> bool:
+    """Every statement of the cell is a ``glue(...)`` call: nothing a reader learns."""
+    import ast
+
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    return bool(body) and all(
+        isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+        and getattr(s.value.func, "id", "") == "glue" for s in body)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_glue_only_cells_hide_their_input(path: Path) -> None:
+    """A cell that only glues values already computed is hidden on the page
+    (``remove-input``; myst-nb's glue still works), so the page shows the code that
+    teaches."""
+    nb = json.loads(path.read_text())
+    shown = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+             and _glue_only("".join(c["source"]))
+             and not {"remove-input", "remove-cell"} & set(
+                 c.get("metadata", {}).get("tags", []))]
+    assert not shown, f"{path.name}: glue-only cells {shown} are shown; tag them " \
+                      "remove-input"
