@@ -193,7 +193,7 @@ def as_number(got: Any) -> float | None:
 
     Taught in: every chapter's exercises (the checkers' one rule for numbers).
     """
-    if isinstance(got, bool) or type(got).__name__ == "bool_":
+    if isinstance(got, bool):  # numpy bools are not numbers.Real either
         return None
     if isinstance(got, numbers.Real):
         return float(got)
@@ -208,7 +208,7 @@ def as_integer(got: Any) -> int | None:
 
     Taught in: every chapter's exercises (the checkers' one rule for counts).
     """
-    if isinstance(got, bool) or type(got).__name__ == "bool_":
+    if isinstance(got, bool):  # numpy bools are not numbers.Real either
         return None
     if isinstance(got, numbers.Integral):
         return int(got)
