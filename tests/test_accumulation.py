@@ -42,7 +42,7 @@ from dtlib.exercises import WrongAnswer
 from dtlib.exercises.accumulation import check_allreduce_calls
 from dtlib.models.gpt import build_gpt, token_batch
 from dtlib.models.reference import grads_of, params_of
-from dtlib.models.run import Parallelism, RunResult, run_steps
+from dtlib.models.run import Parallelism, RunConfig, RunResult, run_steps
 from dtlib.runtime import launch
 
 STEPS, LR, MOMENTUM = 5, 0.05, 0.9
@@ -180,10 +180,10 @@ def test_train_epoch_equals_large_batch_steps_with_a_remainder() -> None:
         assert abs(got - want) <= 2 * reorder_rel(positions(groups), 8) * want
     # The seed's division of the remainder by accum_steps ends elsewhere: the one
     # loop with the seed's accumulation as its step.
-    seed = run_steps(ONE, build_gpt(TINY), groups.__getitem__, len(groups),
-                     local=True, optimizer_class=torch.optim.SGD,
-                     optimizer_kwargs=dict(lr=LR, momentum=MOMENTUM),
-                     step_fn=_seed_step(accum_steps))
+    seed = run_steps(ONE, build_gpt(TINY), groups.__getitem__,
+                     RunConfig(len(groups), optimizer_class=torch.optim.SGD,
+                               optimizer_kwargs=dict(lr=LR, momentum=MOMENTUM),
+                               step_fn=_seed_step(accum_steps), local_batches=True))
     assert max_diff(seed.params, ref.params) > 10 * bound
 
 
@@ -265,11 +265,10 @@ def test_accumulation_step_splits_a_tuple_and_keeps_its_stats() -> None:
     with pytest.raises(ValueError, match="accum_steps"):
         accumulation_step(0)
     # The one loop with it equals the whole batch at once (mean loss, same rows).
-    ref = run_steps(ONE, build_gpt(TINY), lambda k: (idx, targets), 2,
-                    optimizer_class=torch.optim.SGD, optimizer_kwargs={"lr": LR})
-    got = run_steps(ONE, build_gpt(TINY), lambda k: (idx, targets), 2,
-                    optimizer_class=torch.optim.SGD, optimizer_kwargs={"lr": LR},
-                    step_fn=step)
+    sgd = dict(optimizer_class=torch.optim.SGD, optimizer_kwargs={"lr": LR})
+    ref = run_steps(ONE, build_gpt(TINY), lambda k: (idx, targets), RunConfig(2, **sgd))
+    got = run_steps(ONE, build_gpt(TINY), lambda k: (idx, targets),
+                    RunConfig(2, step_fn=step, **sgd))
     assert len(step.stats) == 2 and step.stats[0].micro_batches == 4
     rel = grad_rel(8 * TINY.seq_len)
     assert_all_scaled(got.grads, ref.grads, rel, "grad")

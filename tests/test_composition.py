@@ -33,7 +33,7 @@ from dtlib.accumulation import accumulation_step
 from dtlib.expert_parallel import MoEConfig, moe_gpt
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
-from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.run import Parallelism, RunConfig, run_steps
 from dtlib.models.sizes import size
 from dtlib.parallel_nd import build_grid_groups
 from dtlib.precision.sharded import SimulatedRanks
@@ -103,10 +103,11 @@ def train(par: Parallelism, kind: str, accum: int) -> dict:
     """Three steps of ``par`` on the global batches (``accum``: 1, the default
     step; else accumulation over ``accum`` micro-batches of this rank's rows)."""
     device = ddist.world().device
+    config = RunConfig(STEPS, optimizer_class=torch.optim.SGD,
+                       optimizer_kwargs={"lr": LR, "momentum": MOMENTUM},
+                       step_fn=accumulation_step(accum) if accum > 1 else None)
     res = run_steps(par, model_of(kind).to(device), gpt_batches(CFG, BATCH, device),
-                    STEPS, optimizer_class=torch.optim.SGD,
-                    optimizer_kwargs={"lr": LR, "momentum": MOMENTUM},
-                    step_fn=accumulation_step(accum) if accum > 1 else None)
+                    config)
     return {"losses": res.losses, "grads": res.grads, "params": res.params}
 
 
@@ -274,7 +275,7 @@ def test_bf16_runs_under_accumulation(references):
 def test_deepspeed_refuses_accumulation_naming_both(one_rank):
     from dtlib.zero.deepspeed_engine import DeepSpeedParallelism
 
-    par = DeepSpeedParallelism(2, 2, torch.optim.SGD, {"lr": LR}, STEPS)
+    par = DeepSpeedParallelism(2, 2, torch.optim.SGD, {"lr": LR})
     with pytest.raises(ValueError, match="deepspeed-2.*DeepSpeed engine accumulates"):
         accumulation_step(2)(par, None, [(), ()])
 

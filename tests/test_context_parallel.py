@@ -42,7 +42,7 @@ from dtlib.context_parallel.sharding import (causal_pairs_per_rank, positions,
                                              shard_for, unshard_from)
 from dtlib.models.gpt import build_gpt
 from dtlib.models.reference import gpt_batches, reference_gpt_run
-from dtlib.models.run import RunResult, run_steps, unwrap
+from dtlib.models.run import RunConfig, RunResult, run_steps, unwrap
 from dtlib.models.sizes import size
 from dtlib.runtime import dist as ddist
 from dtlib.runtime import launch
@@ -205,7 +205,8 @@ class SumNotMean(ContextParallel):
 def _suite() -> dict:
     device = ddist.world().device
     no_mean = run_steps(SumNotMean(), build_gpt(CFG, 0).to(device),
-                        gpt_batches(CFG, BATCH, device), 1, record_params=False)
+                        gpt_batches(CFG, BATCH, device),
+                        RunConfig(1, record_params=False))
     return {"attention": {c: attention_checks(c, SHAPE) for c in (True, False)},
             "float64": _float64_ring(),
             "gpt": train_cp(CFG, BATCH, STEPS, lr=LR, **SGD), "no_mean": no_mean}

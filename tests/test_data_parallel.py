@@ -47,7 +47,7 @@ from dtlib.data_parallel import (TEACHING_VARIANTS, VARIANTS, DataParallel,
                                  rows_of_rank)
 from dtlib.models.gpt import MLP, build_gpt
 from dtlib.models.reference import gpt_batches, grads_of
-from dtlib.models.run import RunResult, run_steps
+from dtlib.models.run import RunConfig, RunResult, run_steps
 from dtlib.runtime import launch
 
 # count_comms(): DataParallel only calls dist.*, and the dispatch mode
@@ -204,7 +204,7 @@ def _suite() -> dict[str, Any]:
         dist.barrier()
         out["defects"][name] = run_steps(
             make("bucketed", bucket_cap_mb=CAP_MB), build_gpt(TINY),
-            gpt_batches(TINY, n * MICRO_BATCH), STEPS, **opt)
+            gpt_batches(TINY, n * MICRO_BATCH), RunConfig(STEPS, **opt))
     if n == 2:
         out["no_sync"] = {v: _no_sync_step(v) for v in TEACHING_VARIANTS}
         out["unused"] = {v: _unused_parameter(v) for v in TEACHING_VARIANTS}

@@ -22,7 +22,7 @@ from dtlib.chapters.ch11_multi_dim.runs import (LR, PIPELINE, TINY, all_layouts,
                                                train_3d)
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
-from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.run import Parallelism, RunConfig, run_steps
 from dtlib.data_parallel import rows_of_rank
 from dtlib.parallel_nd import (build_grid_groups, lines_along,
                                parallelism, rank_grid)
@@ -143,12 +143,13 @@ def clipped_run(par, cfg: GPTConfig) -> dict:
     """``run_steps`` with gradient clipping (one process when ``par`` is the
     identity): the global norm over every stage and shard."""
     device = world().device
+    config = RunConfig(STEPS, optimizer_class=torch.optim.SGD,
+                       optimizer_kwargs={"lr": LR, "momentum": 0.9},
+                       max_grad_norm=MAX_NORM)
     res = run_steps(par, build_gpt(cfg, 0).to(device), gpt_batches(cfg, BATCH, device),
-                    STEPS, optimizer_class=torch.optim.SGD,
-                    optimizer_kwargs={"lr": LR, "momentum": 0.9},
-                    max_grad_norm=MAX_NORM)
+                    config)
     return {"losses": res.losses, "grads": res.grads, "params": res.params,
-            "norms": res.extra["grad_norms"]}
+            "norms": res.grad_norms}
 
 
 def clipped() -> dict:

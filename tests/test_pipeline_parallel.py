@@ -101,7 +101,7 @@ class NoMeanOverMicroBatches:
 def _stale_gradients(batch: int, m: int, steps: int) -> dict:
     """A planted defect: the optimizer never zeroes the gradients (stale ones add)."""
     from dtlib.models.reference import gpt_batches
-    from dtlib.models.run import run_steps
+    from dtlib.models.run import RunConfig, run_steps
     from dtlib.pipeline_parallel.parallelism import PipelineParallel
     from dtlib.runtime.dist import world
 
@@ -114,9 +114,9 @@ def _stale_gradients(batch: int, m: int, steps: int) -> dict:
     opt = dict(OPTIMIZER)
     device = world().device
     res = run_steps(Stale("1f1b", m), build_gpt(CFG, seed=0).to(device),
-                    gpt_batches(CFG, batch, device), steps,
-                    optimizer_class=opt.pop("optimizer_class"),
-                    optimizer_kwargs=opt)
+                    gpt_batches(CFG, batch, device),
+                    RunConfig(steps, optimizer_class=opt.pop("optimizer_class"),
+                              optimizer_kwargs=opt))
     return {"losses": res.losses, "grads": res.grads, "params": res.params}
 
 

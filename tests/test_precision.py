@@ -171,15 +171,16 @@ def test_precision_parallelism_is_the_manual_recipe(dtype):
     """run_steps with precision.parallelism runs ManualMixedPrecision's step: the same
     ops in the same order, so bitwise the same (tolerance 0), fp16 with a scaler."""
     from dtlib.models.gpt import token_batch
-    from dtlib.models.run import run_steps
+    from dtlib.models.run import RunConfig, TrainState, run_steps
 
     cfg = GPTConfig(n_layers=1, hidden=16, seq_len=8, vocab_size=16)
     batches = [token_batch(cfg, 2, seed=i) for i in range(3)]
     scaler = (lambda: DynamicLossScaler()) if dtype == torch.float16 else \
         (lambda: None)
-    res = run_steps(P.parallelism(dtype), build_gpt(cfg, 0), batches.__getitem__, 3,
-                    optimizer_class=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
-                    scaler=scaler())
+    res = run_steps(P.parallelism(dtype), build_gpt(cfg, 0), batches.__getitem__,
+                    RunConfig(3, optimizer_class=torch.optim.SGD,
+                              optimizer_kwargs={"lr": 0.1}),
+                    TrainState(scaler=scaler()))
     model = build_gpt(cfg, 0)
     mp = ManualMixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               dtype, scaler())
@@ -355,3 +356,4 @@ def test_scaler_unscale_does_not_synchronise(monkeypatch):
     s.step(opt)
     s.update()
     assert calls == ["item"]
+

@@ -36,7 +36,7 @@ from dtlib.exercises import WrongAnswer
 from dtlib.exercises.tensor_parallel import check_tp_numbers
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
-from dtlib.models.run import RunResult, run_steps
+from dtlib.models.run import RunConfig, RunResult, run_steps
 from dtlib.runtime import dist as ddist
 from dtlib.runtime import launch
 from dtlib.tensor_parallel import TensorParallel
@@ -122,9 +122,9 @@ class WrongShard(TensorParallel):
 def _wrong_shard() -> RunResult:
     device = ddist.world().device
     return run_steps(WrongShard("ours"), build_gpt(TINY, 0).to(device),
-                     gpt_batches(TINY, BATCH, device), STEPS,
-                     optimizer_class=torch.optim.SGD,
-                     optimizer_kwargs={"lr": LR, "momentum": MOMENTUM})
+                     gpt_batches(TINY, BATCH, device),
+                     RunConfig(STEPS, optimizer_class=torch.optim.SGD,
+                               optimizer_kwargs={"lr": LR, "momentum": MOMENTUM}))
 
 
 def _suite(defects: bool) -> dict:

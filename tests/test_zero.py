@@ -166,16 +166,17 @@ def _accumulated(variant: str, stage: int) -> dict:
     """Two micro-batches per step through Chapter 8's accumulation_step (the
     Parallelism's grad_sync off for the first): SGD with momentum, 3 steps."""
     from dtlib.accumulation import accumulation_step
-    from dtlib.models.run import run_steps
+    from dtlib.models.run import RunConfig, run_steps
 
     cfg = GPTConfig(**TEST_GPT)
     x, y = token_batch(cfg, 4 * torch.distributed.get_world_size(), seed=1)
     par = parallelism(stage) if variant == "zero" else parallelism(
         3, variant="fsdp2", group=torch.distributed.group.WORLD)
-    return run_steps(par, build_gpt(cfg, 0), lambda step: (x, y), 3,
-                     optimizer_class=torch.optim.SGD,
-                     optimizer_kwargs=dict(lr=0.05, momentum=0.9),
-                     step_fn=accumulation_step(2), record_grads=False).params
+    return run_steps(par, build_gpt(cfg, 0), lambda step: (x, y),
+                     RunConfig(3, optimizer_class=torch.optim.SGD,
+                               optimizer_kwargs=dict(lr=0.05, momentum=0.9),
+                               step_fn=accumulation_step(2), record_grads=False)
+                     ).params
 
 
 def rank_runs() -> dict:
@@ -300,14 +301,14 @@ def test_accumulation_through_grad_sync(world_size, variant, stage):
     equals one process on the whole batch (16 x 4 rows of 16 tokens at most: n <=
     256 terms a sum, |dg| <= 256 * 6e-8 * 10 = 1.5e-4, times lr * (1 + 1.9 + 2.71)
     = 0.28 over 3 steps: 4e-5 < ATOL_FP32)."""
-    from dtlib.models.run import Parallelism, run_steps
+    from dtlib.models.run import Parallelism, RunConfig, run_steps
 
     cfg = GPTConfig(**TEST_GPT)
     x, y = token_batch(cfg, 4 * world_size, seed=1)
-    ref = run_steps(Parallelism(), build_gpt(cfg, 0), lambda step: (x, y), 3,
-                    optimizer_class=torch.optim.SGD,
-                    optimizer_kwargs=dict(lr=0.05, momentum=0.9),
-                    record_grads=False).params
+    ref = run_steps(Parallelism(), build_gpt(cfg, 0), lambda step: (x, y),
+                    RunConfig(3, optimizer_class=torch.optim.SGD,
+                              optimizer_kwargs=dict(lr=0.05, momentum=0.9),
+                              record_grads=False)).params
     for r in runs(world_size):
         assert_params_close(r["accum", variant, stage], ref, ATOL_FP32)
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.run import Parallelism, RunConfig, TrainState, run_steps
 from dtlib.runtime import dist as ddist
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it are padding
@@ -358,10 +358,10 @@ def train_epoch(par: Parallelism, model: nn.Module,
               for group in micro_batch_groups(loader, accum_steps)]
     step = accumulation_step(accum_steps, loss_fn, ignore_index=ignore_index,
                              autocast_dtype=autocast_dtype)
-    result = run_steps(par, model, groups.__getitem__, len(groups), local=True,
-                       wrapped=model, optimizer=optimizer, step_fn=step,
-                       scaler=scaler, max_grad_norm=max_grad_norm,
-                       record_grads=False, record_params=False)
+    config = RunConfig(len(groups), step_fn=step, max_grad_norm=max_grad_norm,
+                       local_batches=True, record_grads=False, record_params=False)
+    result = run_steps(par, None, groups.__getitem__, config,
+                       TrainState(wrapped=model, optimizer=optimizer, scaler=scaler))
     tokens = sum(s.tokens for s in step.stats)
     loss_sum = float(sum(s.loss_sum for s in step.stats)) if step.stats else 0.0
     return EpochStats(len(step.stats), sum(s.micro_batches for s in step.stats),

@@ -58,10 +58,8 @@ def _train(job: Job, start: int, n: int) -> float:
     """Seconds of ``n`` steps from ``start`` through the one loop."""
     ddist.sync()
     t0 = time.perf_counter()
-    run_steps(job.par, job.model, job.batch_fn, start + n, start=start, local=True,
-              wrapped=job.model, optimizer=job.optimizer, scheduler=job.scheduler,
-              scaler=job.scaler, step_fn=job.step_fn, record_grads=False,
-              record_params=False)
+    run_steps(job.par, None, job.batch_fn, job.run_config(start + n, start=start),
+              job.train_state)
     ddist.sync()
     return time.perf_counter() - t0
 

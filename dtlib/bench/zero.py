@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
-from dtlib.models.run import Parallelism, run_steps
-from dtlib.chapters.ch04_zero_fsdp.runs import StateAfterStep, optimizer_of
+from dtlib.models.run import Parallelism, RunConfig, TrainState, run_steps
+from dtlib.chapters.ch04_zero_fsdp.runs import optimizer_of
 
 #: The GPT trained here: small enough for 4 CPU ranks, every size divisible by 4.
 BENCH_GPT = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=64, n_heads=4)
@@ -91,10 +91,9 @@ def reference_params(model: str = "gpt", steps: int = 5, world_size: int = 1,
     """
     net, x, y = _model_and_batch(model, gpt, world_size * batch_per_rank, seed)
     cls, kwargs = optimizer_of(optimizer, lr)
-    return run_steps(Parallelism(), net, lambda step: (x, y), steps,
-                     optimizer_class=cls, optimizer_kwargs=kwargs,
-                     loss_fn=LOSSES[model], max_grad_norm=clip,
-                     record_grads=False).params
+    config = RunConfig(steps, optimizer_class=cls, optimizer_kwargs=kwargs,
+                       loss_fn=LOSSES[model], max_grad_norm=clip, record_grads=False)
+    return run_steps(Parallelism(), net, lambda step: (x, y), config).params
 
 
 def compare_params(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
@@ -144,8 +143,8 @@ def train_rank(variant: str = "zero", stage: int = 3, model: str = "gpt",
 
     Taught in: Chapter 4, measured vs predicted.
     """
-    from dtlib.collectives.accounting import count_comms
-    from dtlib.zero import parallelism, bf16_policy, zero_comm_elements
+    from dtlib.collectives.accounting import CountComms
+    from dtlib.zero import StateAfterStep, parallelism, bf16_policy, zero_comm_elements
 
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} not allowed; allowed: {VARIANTS}")
@@ -159,12 +158,13 @@ def train_rank(variant: str = "zero", stage: int = 3, model: str = "gpt",
     par = parallelism(stage) if variant == "zero" else parallelism(
         3, variant="fsdp2", mp_policy=bf16_policy() if bf16 else None)
     wrapped = par.apply(net)
-    opt = par.make_optimizer(wrapped, cls, **kwargs)
-    probe = StateAfterStep(opt, lambda: par.state_bytes(wrapped, opt), steps)
-    counted = 1 if steps > 1 else 0
-    run = run_steps(par, net, lambda step: (x, y), steps, wrapped=wrapped,
-                    optimizer=probe, loss_fn=LOSSES[model], max_grad_norm=clip,
-                    comms=count_comms, comms_step=counted, record_grads=False)
+    probe = StateAfterStep(par, steps)  # after the last step
+    counted = 1 if steps > 1 else 0  # the index of the step whose comms are counted
+    comms = CountComms(counted + 1)
+    config = RunConfig(steps, optimizer_class=cls, optimizer_kwargs=kwargs,
+                       loss_fn=LOSSES[model], max_grad_norm=clip, record_grads=False)
+    run = run_steps(par, None, lambda step: (x, y), config, TrainState(wrapped),
+                    [probe, comms])
     times = [t for i, t in enumerate(run.step_times) if i != counted]
     out = {"variant": variant, "stage": stage, "world_size": world_size,
            "n_params": n_params, "state": probe.state,

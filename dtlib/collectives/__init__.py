@@ -23,7 +23,7 @@ _WHERE = {
                      "bytes_sent_per_rank", "fit_alpha_beta",
                      "latency_bandwidth_crossover"), "cost_model"),
     **dict.fromkeys(("OPS", "CommRecord", "CommLog", "record", "active"), "comm_log"),
-    "count_comms": "accounting",
+    "count_comms": "accounting", "CountComms": "accounting",
 }
 
 
@@ -36,7 +36,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["chunk_bounds", "all_gather_into", "reduce_scatter_into", "ring_all_reduce",
            "ring_all_reduce_trace", "ring_reduce_scatter", "ring_all_gather",
-           "tree_broadcast", "naive_all_reduce", "cost_terms", "collective_time",
+           "tree_broadcast", "naive_all_reduce", "CountComms", "cost_terms",
+           "collective_time",
            "bus_bandwidth_factor", "bytes_sent_per_rank", "fit_alpha_beta",
            "latency_bandwidth_crossover", "OPS", "CommRecord", "CommLog", "record",
            "active", "count_comms"]

@@ -35,9 +35,39 @@ from typing import Any, Callable, Iterator
 from dtlib.collectives.accounting_dispatch import make_mode, release_completed
 from dtlib.collectives.comm_log import (ACTIVE_LOGS, LOCK, OPS, CommLog, CommRecord,
                                         record)
+from dtlib.models.run import Callback, StepEnd
 
 # The records' types and the ops are re-exported: a reader who counts imports from here.
-__all__ = ["OPS", "CommLog", "CommRecord", "count_comms", "record"]
+__all__ = ["OPS", "CommLog", "CommRecord", "count_comms", "record", "CountComms"]
+
+
+class CountComms(Callback):
+    """The one loop's callback that records optimizer step ``step`` (1-based:
+    its forward, backward and optimizer step) in :func:`count_comms`; the log is
+    the run's ``RunResult.comms``. A later step is usually the one to count: the
+    first one also runs one-time work (DDP's bucket set-up, a broadcast).
+
+    Taught in: Chapter 2, "Counting communication".
+    """
+
+    def __init__(self, step: int = 1) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"CountComms(step={step!r}): the optimizer step to count "
+                             "must be an integer >= 1")
+        self.step, self.log = step, None
+
+    @contextmanager
+    def _counting(self) -> Iterator[CommLog]:
+        with count_comms() as log:
+            self.log = log
+            yield log
+
+    def step_context(self, step: int) -> Any:
+        return self._counting() if step == self.step else super().step_context(step)
+
+    def on_step_end(self, end: StepEnd) -> None:
+        if end.step == self.step:
+            end.result.comms = self.log
 
 
 @contextmanager

@@ -8,7 +8,8 @@
 - ``grad_sync``: at the end of a synchronised backward, the gradients are averaged
   over the group (:func:`average_cp_grads`), as data parallelism averages them:
   every rank holds the same number of tokens, so the mean of the ranks' mean losses
-  is the mean over all tokens. Hence ``dp_group``/``dp_size`` are the CP group;
+  is the mean over all tokens. Hence the loop's averaging group (``dp_group``,
+  ``dp_size``) is the CP group (``cp_group``, ``cp_size``);
 - ``global_loss``: the mean of the ranks' losses.
 
 Taught in: Chapter 12, "A GPT trained with context parallelism".
@@ -41,8 +42,11 @@ class ContextParallel(Parallelism):
     name = "cp"
 
     def __init__(self, *, group: Any = None) -> None:
+        self.cp_group, self.cp_size = group, cp_world(group)[1]
         self.group = group
-        self.dp_group, self.dp_size = group, cp_world(group)[1]
+        # The loop's dp_group / dp_size are "the ranks whose mean loss is the
+        # global batch's, averaging gradients": under CP, the CP ranks (no DP here).
+        self.dp_group, self.dp_size = self.cp_group, self.cp_size
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Ring attention in every block; returns a :class:`ContextParallelGPT`."""

@@ -1,13 +1,13 @@
 """Expert parallelism with data parallelism, a :class:`~dtlib.models.run.Parallelism`.
 
-The world of ``ep * dp`` ranks is a grid ``(edp, ep)`` (:mod:`dtlib.parallel_nd.grid`):
+The world of ``ep * edp`` ranks is a grid ``(edp, ep)`` (:mod:`dtlib.parallel_nd.grid`):
 each row is an expert-parallel group (adjacent ranks, the experts split among them),
 each column an *expert-data-parallel* group (the ranks holding the same experts).
 
 - ``apply``: every MoE layer keeps this rank's ``E/ep`` experts
   (:class:`~dtlib.expert_parallel.layer.ExpertParallelMoE`);
 - ``local_batch``: rank ``r`` of the world trains on rows ``r`` of the global batch
-  cut in ``ep * dp`` equal parts (every rank has its own tokens: the dense part is
+  cut in ``ep * edp`` equal parts (every rank has its own tokens: the dense part is
   data parallel over the whole world);
 - ``grad_sync``: after a synchronised backward, the dense gradients are summed over
   the world and the expert gradients over their expert-data-parallel group, both
@@ -64,25 +64,28 @@ def _sum_grads(params: list[nn.Parameter], group: Any, size: int,
 
 
 class ExpertParallel(Parallelism):
-    """Experts split over ``ep`` ranks, everything replicated ``dp`` times.
+    """Experts split over ``ep`` ranks, everything replicated ``edp`` times.
 
     Args:
         ep: expert-parallel group size (divides the number of experts).
-        dp: expert-data-parallel size; ``ep * dp`` must be the world size.
+        edp: expert-data-parallel size, the replicas of each expert; ``ep * edp``
+            is the world size. The batch's rows are split over all ``ep * edp``
+            ranks, so the one loop's ``dp_size`` (the ranks that average the
+            non-expert gradients) is the world size.
 
     Taught in: Chapter 14, "Expert and data parallelism together".
     """
 
     name = "ep"
 
-    def __init__(self, *, ep: int, dp: int = 1) -> None:
-        for field_name, value in (("ep", ep), ("dp", dp)):
+    def __init__(self, *, ep: int, edp: int = 1) -> None:
+        for field_name, value in (("ep", ep), ("edp", edp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field_name}={value!r} must be a positive integer")
-        self.ep, self.world_size = ep, ep * dp
-        self.grid = build_grid_groups(("edp", "ep"), (dp, ep))
+        self.ep, self.world_size = ep, ep * edp
+        self.grid = build_grid_groups(("edp", "ep"), (edp, ep))
         self.ep_group, self.edp_group = self.grid.groups["ep"], self.grid.groups["edp"]
-        self.dp_group, self.dp_size, self.edp = None, self.world_size, dp
+        self.dp_group, self.dp_size, self.edp = None, self.world_size, edp
         self.rank = dist.get_rank()
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -96,7 +99,7 @@ class ExpertParallel(Parallelism):
         """Rows ``rank`` of every tensor cut in ``world_size`` equal parts."""
         if batch[0].size(0) % self.world_size:
             raise ValueError(f"batch of {batch[0].size(0)} rows must divide by "
-                             f"ep * dp = {self.world_size}")
+                             f"ep * edp = {self.world_size}")
         return rows_of_rank(batch, self.rank, self.world_size)
 
     @contextlib.contextmanager
@@ -136,15 +139,16 @@ class ExpertParallel(Parallelism):
         return out
 
 
-def parallelism(*, ep: int, dp: int = 1) -> ExpertParallel:
+def parallelism(*, ep: int, edp: int = 1) -> ExpertParallel:
     """Expert parallelism for :func:`~dtlib.models.run.run_steps`.
 
     Args:
-        ep: expert-parallel group size; dp: expert-data-parallel size
-            (``ep * dp`` = world size). Collective: creates the groups.
+        ep: expert-parallel group size; edp: expert-data-parallel size, the
+            replicas of each expert (``ep * edp`` = world size). Collective:
+            creates the groups.
     Returns:
         An :class:`ExpertParallel`.
 
     Taught in: Chapter 14, "Expert and data parallelism together".
     """
-    return ExpertParallel(ep=ep, dp=dp)
+    return ExpertParallel(ep=ep, edp=edp)

@@ -12,13 +12,15 @@ from __future__ import annotations
 from dtlib.models.gpt import (GPTConfig, CausalSelfAttention, Block, GPT, MLP,
                               build_gpt, token_batch)
 from dtlib.models.sizes import (SIZES, size)
-from dtlib.models.run import (Parallelism, RunResult, run_steps, gpt_loss,
+from dtlib.models.run import (Parallelism, RunConfig, TrainState, Callback, Every,
+                              StepEnd, RunResult, run_steps, gpt_loss,
                               tensors_by_name, unwrap, local_tensor, full_tensor)
-from dtlib.models.reference import (grads_of, params_of, train_reference,
+from dtlib.models.reference import (grads_of, params_of, reference_run,
                                     reference_gpt_run, gpt_batches)
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "Block", "GPT", "MLP", "build_gpt",
-           "token_batch", "SIZES", "size", "Parallelism", "RunResult", "run_steps",
+           "token_batch", "SIZES", "size", "Parallelism", "RunConfig", "TrainState",
+           "Callback", "Every", "StepEnd", "RunResult", "run_steps",
            "tensors_by_name", "unwrap", "local_tensor", "full_tensor", "grads_of",
-           "params_of", "gpt_loss", "train_reference", "reference_gpt_run",
+           "params_of", "gpt_loss", "reference_run", "reference_gpt_run",
            "gpt_batches"]

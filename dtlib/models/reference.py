@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-from dtlib.models.run import Parallelism, RunResult, gpt_loss, run_steps, \
-    tensors_by_name
+from dtlib.models.run import (Parallelism, RunConfig, RunResult, TrainState,
+                              gpt_loss, run_steps, tensors_by_name)
 
-__all__ = ["grads_of", "params_of", "gpt_loss", "train_reference", "reference_gpt_run",
+__all__ = ["grads_of", "params_of", "gpt_loss", "reference_run", "reference_gpt_run",
            "gpt_batches"]
 
 
@@ -40,12 +40,13 @@ def gpt_batches(cfg: GPTConfig, batch: int, device: Any = "cpu"):
     return lambda step: token_batch(cfg, batch, seed=step, device=device)
 
 
-def train_reference(model: nn.Module, batches: Iterable[tuple[Any, ...]], *,
-                    optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-3,
-                    loss_fn: Callable[..., torch.Tensor] = gpt_loss,
-                    optimizer_class: type = torch.optim.AdamW,
-                    **optimizer_kwargs: Any) -> RunResult:
-    """Train ``model`` on one process, one optimizer step per batch of ``batches``.
+def reference_run(model: nn.Module, batches: Iterable[tuple[Any, ...]], *,
+                  optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-3,
+                  loss_fn: Callable[..., torch.Tensor] = gpt_loss,
+                  optimizer_class: type = torch.optim.AdamW,
+                  **optimizer_kwargs: Any) -> RunResult:
+    """Train ``model`` on one process, one optimizer step per batch of ``batches``
+    (:func:`reference_gpt_run` is this on the book's GPT and its token batches).
 
     Args:
         model: the full model.
@@ -60,10 +61,11 @@ def train_reference(model: nn.Module, batches: Iterable[tuple[Any, ...]], *,
     Taught in: Chapter 3, "Equal to one process".
     """
     batches = list(batches)
-    return run_steps(Parallelism(), model, batches.__getitem__, len(batches),
-                     optimizer=optimizer, loss_fn=loss_fn,
-                     optimizer_class=optimizer_class,
-                     optimizer_kwargs={"lr": lr, **optimizer_kwargs})
+    config = RunConfig(len(batches), optimizer_class=optimizer_class,
+                       optimizer_kwargs={"lr": lr, **optimizer_kwargs},
+                       loss_fn=loss_fn)
+    return run_steps(Parallelism(), model, batches.__getitem__, config,
+                     TrainState(optimizer=optimizer))
 
 
 def reference_gpt_run(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
@@ -82,6 +84,6 @@ def reference_gpt_run(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
 
     Taught in: Chapter 3, "Equal to one process"; reused by every parallel chapter.
     """
-    return run_steps(Parallelism(), build_gpt(cfg, seed), gpt_batches(cfg, batch),
-                     steps, optimizer_class=optimizer_class,
-                     optimizer_kwargs={"lr": lr, **optimizer_kwargs})
+    batches = gpt_batches(cfg, batch)
+    return reference_run(build_gpt(cfg, seed), (batches(k) for k in range(steps)),
+                         lr=lr, optimizer_class=optimizer_class, **optimizer_kwargs)

@@ -29,15 +29,18 @@ logged loss is not the mean over ``dp_size`` data-parallel ranks). Each techniqu
 package exports one factory for its Parallelism (``data_parallel.parallelism``,
 ``zero.parallelism``, ...).
 
-The loop, read once::
+The loop, read once (``run_steps(par, model, batch_fn, config, state, callbacks)``;
+a :class:`RunConfig` says what to train, a :class:`TrainState` hands in what a resume
+restored, each :class:`Callback` hooks named points)::
 
     wrapped = par.apply(model)
-    opt = par.make_optimizer(wrapped, optimizer_class, **optimizer_kwargs)
-    for step in range(start, steps):
-        loss = step_fn(par, wrapped, par.local_batch(batch_fn(step)), loss_fn)
-        (unscale, record step 0's gradients, clip)
-        opt.step(); opt.zero_grad(set_to_none=True); scheduler.step()
+    opt = par.make_optimizer(wrapped, config.optimizer_class, **optimizer_kwargs)
+    for step in range(config.start + 1, config.steps + 1):
+        loss = step_fn(par, wrapped, par.local_batch(batch_fn(step - 1)), loss_fn)
+        (unscale, record the first step's gradients, clip)
+        opt.step(); callbacks.on_optimizer_step; opt.zero_grad(); scheduler.step()
         losses.append(par.global_loss(loss))
+        callbacks: on_save, on_eval (when due), on_step_end, should_stop
 
 Taught in: Chapter 3, "Equal to one process" (the loop every chapter reuses).
 """
@@ -47,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,12 +58,15 @@ import torch.nn as nn
 
 from dtlib.runtime import dist as ddist
 
-__all__ = ["Parallelism", "RunResult", "run_steps", "default_step", "gpt_loss",
+__all__ = ["Parallelism", "RunConfig", "TrainState", "Every", "StepEnd", "Callback",
+           "OnStepEnd", "AfterOptimizerStep", "RunResult", "run_steps",
+           "default_step", "gpt_loss",
            "tensors_by_name", "unwrap", "local_tensor", "full_tensor", "is_dtensor",
            "clip_by_global_norm"]
 
 Batch = Sequence[Any]  # (idx, targets), or any argument tuple of loss_fn
 LossFn = Callable[..., torch.Tensor]
+StepFn = Callable[..., torch.Tensor]  # step_fn(par, wrapped, batch, loss_fn, scaler=)
 
 
 def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor
@@ -249,9 +255,12 @@ class RunResult:
     losses: the global-batch loss of every step (as one process computes it).
     grads: full gradients by name after the first step's backward (CPU copies).
     params: full parameters by name after the last step (CPU copies).
-    comms: what the ``comms`` context yielded on ``comms_step`` (a log), or None.
-    step_times: seconds per step (device-synchronised), step 0 included.
-    extra: anything the caller's ``on_step`` put there.
+    comms: a communication log of one step (``dtlib.collectives.CountComms``), or
+        None.
+    step_times: seconds per step (device-synchronised), the first included.
+    grad_norms: the global gradient norm of every step before clipping (with
+        ``RunConfig.max_grad_norm``).
+    extra: anything the callbacks kept.
     """
 
     losses: list[float] = field(default_factory=list)
@@ -259,6 +268,7 @@ class RunResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     comms: Any = None
     step_times: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:  # result["losses"], as the pages read it
@@ -268,6 +278,184 @@ class RunResult:
 
     def __contains__(self, key: str) -> bool:
         return key in self.extra or key in self.__dataclass_fields__
+
+
+@dataclass(frozen=True)
+class Every:
+    """A schedule over optimizer steps: every ``n``-th step (``n == 0``: none), and
+    with ``last`` the run's last step too. ``Every(5, last=True)`` over 12 steps is
+    steps 5, 10 and 12."""
+
+    n: int = 0
+    last: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 0:
+            raise ValueError(f"Every(n={self.n!r}): n must be an integer >= 0 "
+                             "(0: no step but, with last=True, the last)")
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) of a run to ``steps`` is in."""
+        return bool(self.n and step % self.n == 0) or (self.last and step == steps)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What one run of the loop trains; checked when built.
+
+    steps: the optimizer step to stop after (steps are counted from 1: a run to
+        ``steps=3`` takes steps 1, 2 and 3); start: steps already done (a resume
+        takes ``start + 1`` .. ``steps``).
+    optimizer_class, optimizer_kwargs: what ``par.make_optimizer`` builds (AdamW at
+        torch's defaults) when no optimizer is handed in (:class:`TrainState`).
+    loss_fn: ``loss_fn(model, *batch)`` -> scalar loss (the GPT's own by default).
+    step_fn: ``step_fn(par, wrapped, batch, loss_fn, scaler=...)`` -> the detached
+        loss of one optimizer step's gradients (:func:`default_step`: one
+        forward and backward; Chapter 8's ``accumulation_step(k)``: k micro-batches).
+    max_grad_norm: clip the global gradient norm to this (``par.clip_grad_norm``;
+        ``math.inf`` measures it without clipping), or None.
+    autocast_dtype: run ``step_fn`` under ``torch.autocast`` in this dtype, or None.
+    local_batches: ``batch_fn`` already returns this rank's part (a per-rank
+        sampler, as in the capstone): ``par.local_batch`` is not applied.
+    record_grads, record_params: return the first step's full gradients and the
+        last step's full parameters (``par.full_state``: collectives on every rank).
+    save, evaluate: when :meth:`Callback.on_save` and :meth:`Callback.on_eval` are
+        called (:class:`Every`; default: never).
+    """
+
+    steps: int
+    start: int = 0
+    optimizer_class: type = torch.optim.AdamW
+    optimizer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    loss_fn: LossFn = gpt_loss
+    step_fn: StepFn | None = None
+    max_grad_norm: float | None = None
+    autocast_dtype: torch.dtype | None = None
+    local_batches: bool = False
+    record_grads: bool = True
+    record_params: bool = True
+    save: Every = Every()
+    evaluate: Every = Every()
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "start"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"RunConfig({name}={value!r}): must be an integer "
+                                 ">= 0")
+        if self.steps < self.start:
+            raise ValueError(f"RunConfig(steps={self.steps}) must be >= "
+                             f"start={self.start} (steps is the step to stop after)")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"RunConfig(max_grad_norm={self.max_grad_norm!r}): must "
+                             "be > 0 (math.inf: measure the norm, clip nothing), or "
+                             "None")
+        if not isinstance(self.optimizer_class, type):
+            raise ValueError(f"RunConfig(optimizer_class={self.optimizer_class!r}): "
+                             "must be an optimizer class, e.g. torch.optim.AdamW")
+        for name in ("save", "evaluate"):
+            if not isinstance(getattr(self, name), Every):
+                raise ValueError(f"RunConfig({name}={getattr(self, name)!r}): must be "
+                                 "an Every(n, last=...)")
+
+
+@dataclass
+class TrainState:
+    """What the loop would otherwise build or go without, handed in.
+
+    wrapped, optimizer: an applied model (``par.apply``) and its optimizer: a
+        resumed run restores both before the loop; left None, the loop builds them.
+    scheduler: an LR scheduler stepped after each optimizer step, or None.
+    scaler: a ``torch.amp.GradScaler`` (fp16), or None.
+    """
+
+    wrapped: nn.Module | None = None
+    optimizer: Any = None
+    scheduler: Any = None
+    scaler: Any = None
+
+
+@dataclass
+class StepEnd:
+    """What a callback is told when optimizer step ``step`` (1-based) has ended.
+
+    loss: the global-batch loss (``par.global_loss``); seconds: the step's time,
+    device-synchronised, callbacks excluded; grad_norm: the norm before clipping
+    (with ``max_grad_norm``), else None; wrapped, optimizer: the live model and
+    optimizer; result: the :class:`RunResult` so far (a callback keeps what it
+    measures in ``result.extra``).
+    """
+
+    step: int
+    loss: float
+    seconds: float
+    grad_norm: float | None
+    wrapped: nn.Module
+    optimizer: Any
+    result: RunResult
+
+
+class Callback:
+    """Named points of the loop; subclass and override what you need. Within a
+    step the loop calls, in order: :meth:`step_context` (entered around the
+    step's forward, backward and optimizer step), :meth:`before_optimizer_step`,
+    :meth:`on_optimizer_step`, then :meth:`on_save` and :meth:`on_eval` when the
+    run's schedules say so, :meth:`on_step_end`, and :meth:`should_stop`. Every
+    rank calls them alike.
+    """
+
+    def step_context(self, step: int) -> ContextManager[Any]:
+        """A context around step ``step``'s work (a measurement), or a null one."""
+        return contextlib.nullcontext()
+
+    def before_optimizer_step(self, step: int, wrapped: nn.Module, optimizer: Any
+                              ) -> None:
+        """The gradients are complete (unscaled, clipped); the optimizer has not
+        stepped."""
+
+    def on_optimizer_step(self, step: int, wrapped: nn.Module, optimizer: Any
+                          ) -> None:
+        """After ``optimizer.step()``, before ``zero_grad``: the moment the
+        gradients and the updated optimizer state are both held."""
+
+    def on_save(self, end: StepEnd) -> None:
+        """When ``RunConfig.save`` is due: save a checkpoint."""
+
+    def on_eval(self, end: StepEnd) -> None:
+        """When ``RunConfig.evaluate`` is due: evaluate."""
+
+    def on_step_end(self, end: StepEnd) -> None:
+        """After every step (logging)."""
+
+    def should_stop(self, end: StepEnd) -> bool:
+        """Whether to leave the loop after this step (a crash rehearsal, a signal)."""
+        return False
+
+
+class OnStepEnd(Callback):
+    """A callback from one function: ``fn(end)`` after every step; ``fn``
+    returning True stops the loop (a crash rehearsal)."""
+
+    def __init__(self, fn: Callable[[StepEnd], bool | None]) -> None:
+        self.fn, self.stop = fn, False
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.stop = bool(self.fn(end))
+
+    def should_stop(self, end: StepEnd) -> bool:
+        return self.stop
+
+
+class AfterOptimizerStep(Callback):
+    """A callback from one function: ``fn(step, wrapped, optimizer)`` after every
+    optimizer step, before ``zero_grad`` (what a memory measurement needs)."""
+
+    def __init__(self, fn: Callable[[int, nn.Module, Any], None]) -> None:
+        self.fn = fn
+
+    def on_optimizer_step(self, step: int, wrapped: nn.Module, optimizer: Any
+                          ) -> None:
+        self.fn(step, wrapped, optimizer)
 
 
 def _sync(device: torch.device) -> None:
@@ -282,106 +470,95 @@ def default_step(par: Parallelism, wrapped: nn.Module, batch: Batch,
         return par.forward_backward(wrapped, batch, loss_fn, scaler=scaler)
 
 
-def run_steps(par: Parallelism, model: nn.Module,
-              batch_fn: Callable[[int], Batch], steps: int, *,
-              optimizer_class: type = torch.optim.AdamW,
-              optimizer_kwargs: dict[str, Any] | None = None,
-              loss_fn: LossFn = gpt_loss,
-              step_fn: Callable[..., torch.Tensor] | None = None,
-              start: int = 0, local: bool = False, wrapped: nn.Module | None = None,
-              optimizer: torch.optim.Optimizer | None = None,
-              scheduler: Any = None, scaler: Any = None,
-              autocast_dtype: torch.dtype | None = None,
-              max_grad_norm: float | None = None,
-              comms: Callable[[], ContextManager[Any]] | None = None,
-              comms_step: int = 0, record_grads: bool = True,
-              record_params: bool = True,
-              on_step: Callable[[int, float, dict[str, Any]],
-                                bool | None] | None = None,
-              ) -> RunResult:
-    """Train ``steps`` optimizer steps of ``model`` under ``par``: the one loop.
+def run_steps(par: Parallelism, model: nn.Module | None,
+              batch_fn: Callable[[int], Batch], config: RunConfig,
+              state: TrainState | None = None,
+              callbacks: Sequence[Callback] = ()) -> RunResult:
+    """Train ``model`` under ``par`` from step ``config.start + 1`` to
+    ``config.steps``: the one loop.
 
     Args:
         par: the technique (``Parallelism()`` for one process).
-        model: the unwrapped model, built identically on every rank (ignored when
-            ``wrapped`` is given).
-        batch_fn: ``batch_fn(step)`` -> the *global* batch of that step (every rank
-            computes the same); ``par.local_batch`` cuts this rank's part.
-        steps: the step to stop at (exclusive); ``start`` the first (a resume).
-        local: ``batch_fn`` already returns this rank's part (a per-rank sampler, as
-            in the capstone): ``par.local_batch`` is not applied.
-        optimizer_class, optimizer_kwargs: the optimizer ``par.make_optimizer``
-            builds (default AdamW at torch's defaults).
-        loss_fn: ``loss_fn(wrapped, *local_batch)`` -> scalar loss.
-        step_fn: ``step_fn(par, wrapped, local_batch, loss_fn, scaler=...)`` -> the
-            detached loss (default: one forward/backward; Chapter 8 passes gradient
-            accumulation over micro-batches).
-        wrapped, optimizer: an already-applied model and its optimizer (a resumed
-            run restores them before the loop).
-        scheduler: an LR scheduler stepped after each optimizer step.
-        scaler: a ``torch.amp.GradScaler`` (fp16) or None.
-        autocast_dtype: run ``step_fn`` under ``torch.autocast`` with this dtype.
-        max_grad_norm: clip the gradient norm (``par.clip_grad_norm``) or None.
-        comms: a context-manager factory (e.g. ``lambda: count_comms()``) entered
-            around step ``comms_step``'s forward, backward and optimizer step; what
-            it yields is returned as ``comms``.
-        record_grads, record_params: collect the first step's gradients and the
-            last step's parameters (``par.full_state``: collectives on every rank).
-        on_step: ``on_step(step_done, loss, extra)`` after each step (logging,
-            saving); returning True stops the loop.
+        model: the unwrapped model, built identically on every rank (None when
+            ``state.wrapped`` is given).
+        batch_fn: ``batch_fn(i)`` -> the *global* batch of the step that follows
+            ``i`` steps done (every rank computes the same); ``par.local_batch``
+            cuts this rank's part (``config.local_batches``: it already is).
+        config: what to train (:class:`RunConfig`).
+        state: a model, optimizer, scheduler or scaler built before the loop
+            (:class:`TrainState`; a resume), or None.
+        callbacks: :class:`Callback` objects, called in their order.
     Returns:
         A :class:`RunResult`.
 
     Taught in: Chapter 3, "Equal to one process".
     """
-    if steps < start:
-        raise ValueError(f"steps={steps} must be >= start={start}")
+    if not isinstance(config, RunConfig):
+        raise ValueError(f"config={config!r}: must be a RunConfig (steps=..., "
+                         "optimizer_class=..., ...)")
+    state = state or TrainState()
     device = ddist.world().device
-    if wrapped is None:
-        wrapped = par.apply(model)
-    if optimizer is None:
-        optimizer = par.make_optimizer(wrapped, optimizer_class,
-                                       **(optimizer_kwargs or {}))
-    step_fn = step_fn or default_step
+    if state.wrapped is None and model is None:
+        raise ValueError("model=None and state.wrapped=None: give the model to "
+                         "apply, or an applied one in TrainState(wrapped=...)")
+    wrapped = state.wrapped if state.wrapped is not None else par.apply(model)
+    optimizer = state.optimizer if state.optimizer is not None else \
+        par.make_optimizer(wrapped, config.optimizer_class,
+                           **dict(config.optimizer_kwargs))
+    scaler = state.scaler
+    step_fn = config.step_fn or default_step
     out = RunResult()
-    for step in range(start, steps):
+    for done in range(config.start, config.steps):
+        step = done + 1
         _sync(device)
         t0 = time.perf_counter()
-        counting = comms() if comms is not None and step == comms_step \
-            else contextlib.nullcontext()
-        with counting as log:
-            batch = batch_fn(step)
-            if not local:
+        with contextlib.ExitStack() as stack:
+            for cb in callbacks:
+                stack.enter_context(cb.step_context(step))
+            batch = batch_fn(done)
+            if not config.local_batches:
                 batch = par.local_batch(batch)
-            amp = torch.autocast(device.type, dtype=autocast_dtype) \
-                if autocast_dtype is not None else contextlib.nullcontext()
+            amp = torch.autocast(device.type, dtype=config.autocast_dtype) \
+                if config.autocast_dtype is not None else contextlib.nullcontext()
             with amp:
-                loss = step_fn(par, wrapped, batch, loss_fn, scaler=scaler)
+                loss = step_fn(par, wrapped, batch, config.loss_fn, scaler=scaler)
             if scaler is not None:
                 scaler.unscale_(optimizer)
-            if step == start and record_grads:
+            if done == config.start and config.record_grads:
                 out.grads = par.full_state(wrapped, grads=True)
-            if max_grad_norm is not None:
-                out.extra.setdefault("grad_norms", []).append(
-                    par.clip_grad_norm(wrapped, max_grad_norm))
+            norm = None if config.max_grad_norm is None else \
+                par.clip_grad_norm(wrapped, config.max_grad_norm)
+            for cb in callbacks:
+                cb.before_optimizer_step(step, wrapped, optimizer)
             if scaler is not None:
                 scaler.step(optimizer)
                 scaler.update()
             else:
                 optimizer.step()
+            for cb in callbacks:
+                cb.on_optimizer_step(step, wrapped, optimizer)
             optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-        if comms is not None and step == comms_step:
-            out.comms = log
+            if state.scheduler is not None:
+                state.scheduler.step()
         value = float(par.global_loss(loss))  # the step's one host sync
         _sync(device)
-        out.step_times.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        out.step_times.append(seconds)
         out.losses.append(value)
-        if on_step is not None and on_step(step + 1, value, out.extra):
+        if norm is not None:
+            out.grad_norms.append(float(norm))
+        end = StepEnd(step, value, seconds, None if norm is None else float(norm),
+                      wrapped, optimizer, out)
+        if config.save.due(step, config.steps):
+            for cb in callbacks:
+                cb.on_save(end)
+        if config.evaluate.due(step, config.steps):
+            for cb in callbacks:
+                cb.on_eval(end)
+        for cb in callbacks:
+            cb.on_step_end(end)
+        if any([cb.should_stop(end) for cb in callbacks]):  # every one is asked
             break
-    if "grad_norms" in out.extra:
-        out.extra["grad_norms"] = [float(n) for n in out.extra["grad_norms"]]
-    if record_params:
+    if config.record_params:
         out.params = par.full_state(wrapped)
     return out

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from dtlib.accumulation import accumulation_step
 from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
 from dtlib.models.init import storage_bytes
-from dtlib.models.run import Parallelism
+from dtlib.models.run import Parallelism, RunConfig, TrainState
 from dtlib.runtime import dist as ddist
 from dtlib.train.config import OPTIMIZERS, STRATEGY_NAMES, TrainConfig
 from dtlib.train.data import (GlobalSampler, MicroBatch, SyntheticTokens, open_split,
@@ -270,6 +270,27 @@ class Job:
     identity: dict[str, Any] = field(default_factory=dict)
     verified: set[str] = field(default_factory=set)
     resumed: dict[str, Any] | None = None
+
+    @property
+    def train_state(self) -> TrainState:
+        """The built (or resumed) model, optimizer, scheduler and scaler, as the
+        one loop takes them."""
+        return TrainState(self.model, self.optimizer, self.scheduler, self.scaler)
+
+    def run_config(self, steps: int | None = None, start: int = 0,
+                   **more: Any) -> RunConfig:
+        """The one loop's configuration of this job, from ``start`` to ``steps``
+        (``cfg.steps``): this rank's batches (``batch_fn``), the accumulating step,
+        the gradient norm clipped to ``--grad-clip`` or, at 0, measured and not
+        clipped (clipping to inf multiplies every gradient by exactly 1.0, the
+        coefficient min(inf / norm, 1)), nothing recorded; ``more``: other
+        :class:`~dtlib.models.run.RunConfig` fields (the save schedule)."""
+        cfg = self.cfg
+        return RunConfig(cfg.steps if steps is None else steps, start=start,
+                         step_fn=self.step_fn, local_batches=True,
+                         max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0
+                         else math.inf, record_grads=False, record_params=False,
+                         **more)
 
     @property
     def global_tokens(self) -> int:

@@ -10,8 +10,9 @@ bf16, Chapter 7; accumulation, Chapter 8; this rank's data, Chapter 3), resume i
 (Chapter 9), and train it with the one loop every chapter uses,
 :func:`dtlib.models.run.run_steps`; logging (:mod:`dtlib.train.metrics`), saving,
 evaluation, the simulated crash and a preemption signal (:mod:`dtlib.train.faults`)
-ride on its ``on_step``. The same code runs on CPU with gloo and on GPUs with NCCL: only
-:mod:`dtlib.runtime.dist` knows which.
+are one :class:`~dtlib.models.run.Callback` at the loop's named points (``on_save``,
+``on_eval``, ``on_step_end``, ``should_stop``). The same code runs on CPU with gloo
+and on GPUs with NCCL: only :mod:`dtlib.runtime.dist` knows which.
 
 Taught in: Chapter 10, "One training script".
 """
@@ -22,7 +23,6 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import asdict
 from typing import Any, Sequence
 
@@ -30,18 +30,18 @@ import torch
 import torch.distributed as dist
 
 from dtlib.memory.formulas import GB
-from dtlib.models.run import RunResult, run_steps
+from dtlib.models.run import Callback, Every, RunResult, StepEnd, run_steps
 from dtlib.runtime import dist as ddist
 from dtlib.train.async_save import BackgroundSaver
 from dtlib.train.config import TrainConfig, parse_args
 from dtlib.train.faults import SIGNALS, Preemption, kill_rehearsal, retain
 from dtlib.train.identity import Refusal, check_directory, fingerprint
 from dtlib.train.job import Job, build_job
-from dtlib.train.metrics import (RunLog, StepClock, evaluate, flops_per_token,
+from dtlib.train.metrics import (RunLog, evaluate, flops_per_token,
                                  measured_peak_flops, peak_memory)
 from dtlib.train.state import export_hf, param_digest, resume, save_state
 
-__all__ = ["TrainConfig", "main", "train"]
+__all__ = ["TrainConfig", "main", "train", "Capstone"]
 
 
 def main(argv: Sequence[str] | None = None) -> float:
@@ -104,80 +104,99 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     flops = flops_per_token(job.n_params, cfg.n_layers, cfg.seq_len, cfg.hidden) \
         * job.global_tokens  # per step, every device together
     peak = _peak_flops(job)
-    evals: dict[str, float] = {}
-    clock = StepClock()
     stop = Preemption()
     batch_fn = kill_rehearsal(job.batch_fn, cfg.kill_at_step, world.world_size - 1)
-
-    def keep() -> None:
-        retain(cfg.ckpt_dir, cfg.keep_last, identity)
-
-    saver = BackgroundSaver(job, published=keep) if cfg.async_save and cfg.ckpt_dir \
+    saver = BackgroundSaver(job, published=lambda: retain(
+        cfg.ckpt_dir, cfg.keep_last, identity)) if cfg.async_save and cfg.ckpt_dir \
         else None
-    def save(step: int) -> None:
-        if saver is None:
-            window.saved(step, save_state(job, step), clock.last_s)
-            keep()
-            return
-        saver.save(step)  # waits for the previous save, stages this one
-        if saver.written is not None and saver.written[0] not in window.steps:
-            window.saved(*saver.written, clock.last_s)
-
-    def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
-        clock.step_done()
-        with clock.paused():  # saves, evaluations and logging are no step's time
-            if step == start + 1:
-                ddist.rprint(f"step {step} took {time.perf_counter() - began:.2f} s "
-                             "(the first step includes one-time work: allocation, "
-                             "buckets, kernels' first calls)", flush=True)
-            saved = cfg.ckpt_dir and (step == cfg.steps or (
-                cfg.save_every and step % cfg.save_every == 0))
-            if saved:
-                save(step)
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                evals[str(step)] = value = evaluate(job)
-                log.write({"step": step, "eval_loss": value},
-                          f"step {step:5d} | eval loss {value:.4f} (held out)")
-            if step == cfg.steps or (cfg.log_every and step % cfg.log_every == 0):
-                _log_step(job, log, step, loss, float(extra["grad_norms"][-1]),
-                          clock.take(), flops, peak)
-            if cfg.stop_after and step - start >= cfg.stop_after:
-                ddist.rprint(f"stopping after step {step} (simulated crash: no "
-                             "final save)")
-                return True
-            signal_name = stop.requested()  # every rank, every step: they agree
-            if signal_name:
-                if cfg.ckpt_dir and not saved:
-                    save(step)
-                ddist.rprint(f"{signal_name} received: " + (
-                    f"saved step {step}" if cfg.ckpt_dir else "no --ckpt-dir to save "
-                    "to") + ", leaving the loop (exit status 0)")
-                preempted.append(signal_name)
-                return True
-        return False
-
-    preempted: list[str] = []
-
-    # Without clipping the norm is still measured: clipping to inf multiplies every
-    # gradient by exactly 1.0 (the clip coefficient min(inf / norm, 1)).
-    began = time.perf_counter()  # the first step's clock (on_step reads it)
+    capstone = Capstone(job, start, log, flops, peak, window, saver, stop)
+    # Saves at every --save-every-th step and the last; evaluations likewise.
+    config = job.run_config(start=start, save=Every(cfg.save_every, last=True),
+                            evaluate=Every(cfg.eval_every, last=cfg.eval_every > 0))
     with stop:
-        result = run_steps(job.par, job.model, batch_fn, cfg.steps, start=start,
-                           local=True, wrapped=job.model, optimizer=job.optimizer,
-                           scheduler=job.scheduler, scaler=job.scaler,
-                           step_fn=job.step_fn, max_grad_norm=cfg.grad_clip
-                           if cfg.grad_clip > 0 else math.inf, record_grads=False,
-                           record_params=False, on_step=on_step)
+        result = run_steps(job.par, None, batch_fn, config, job.train_state,
+                           [capstone])
     if saver is not None:
         saver.close()  # the last save is written and published before we leave
         if saver.written is not None and saver.written[0] not in window.steps:
-            window.saved(*saver.written, clock.last_s)
+            window.saved(*saver.written, result.step_times[-1] if result.step_times
+                         else None)
     log.close()
     if cfg.export_hf:
         export_hf(job, cfg.export_hf)
-    result.extra.update(eval_losses=evals, preempted=preempted[0] if preempted
-                        else None, save_s=window.seconds)
+    result.extra.update(eval_losses=capstone.evals, preempted=capstone.preempted,
+                        save_s=window.seconds)
     return _summarise(job, start, result)
+
+
+class Capstone(Callback):
+    """What the capstone adds to the one loop, at its named points: saves
+    (``on_save``), evaluations (``on_eval``), the log line (``on_step_end``), and
+    leaving the loop (``should_stop``) for the simulated crash (``--stop-after``)
+    or a preemption signal (saving first). The loop's step times leave all of
+    this out."""
+
+    def __init__(self, job: Job, start: int, log: RunLog, flops: int,
+                 peak: tuple[float, str], window: "_Window",
+                 saver: BackgroundSaver | None, stop: Preemption) -> None:
+        self.job, self.cfg, self.start, self.log = job, job.cfg, start, log
+        self.flops, self.peak, self.window = flops, peak, window
+        self.saver, self.stop = saver, stop
+        self.evals: dict[str, float] = {}
+        self.times: list[float] = []  # the step times since the last log line
+        self.saved_at: int | None = None
+        self.preempted: str | None = None
+
+    def on_save(self, end: StepEnd) -> None:
+        if self.cfg.ckpt_dir:
+            self._save(end)
+
+    def _save(self, end: StepEnd) -> None:
+        cfg, step = self.cfg, end.step
+        self.saved_at = step
+        if self.saver is None:
+            self.window.saved(step, save_state(self.job, step), end.seconds)
+            retain(cfg.ckpt_dir, cfg.keep_last, self.job.identity)
+            return
+        self.saver.save(step)  # waits for the previous save, stages this one
+        written = self.saver.written
+        if written is not None and written[0] not in self.window.steps:
+            self.window.saved(*written, end.seconds)
+
+    def on_eval(self, end: StepEnd) -> None:
+        self.evals[str(end.step)] = value = evaluate(self.job)
+        self.log.write({"step": end.step, "eval_loss": value},
+                       f"step {end.step:5d} | eval loss {value:.4f} (held out)")
+
+    def on_step_end(self, end: StepEnd) -> None:
+        cfg, step = self.cfg, end.step
+        self.times.append(end.seconds)
+        if step == self.start + 1:
+            ddist.rprint(f"step {step} took {end.seconds:.2f} s (the first step "
+                         "includes one-time work: allocation, buckets, kernels' "
+                         "first calls)", flush=True)
+        if step == cfg.steps or (cfg.log_every and step % cfg.log_every == 0):
+            mean = sum(self.times) / len(self.times)
+            self.times = []
+            _log_step(self.job, self.log, step, end.loss, end.grad_norm or 0.0, mean,
+                      self.flops, self.peak)
+
+    def should_stop(self, end: StepEnd) -> bool:
+        cfg, step = self.cfg, end.step
+        if cfg.stop_after and step - self.start >= cfg.stop_after:
+            ddist.rprint(f"stopping after step {step} (simulated crash: no final "
+                         "save)")
+            return True
+        signal_name = self.stop.requested()  # every rank, every step: they agree
+        if not signal_name:
+            return False
+        if cfg.ckpt_dir and self.saved_at != step:
+            self._save(end)
+        ddist.rprint(f"{signal_name} received: " + (
+            f"saved step {step}" if cfg.ckpt_dir else "no --ckpt-dir to save to")
+            + ", leaving the loop (exit status 0)")
+        self.preempted = signal_name
+        return True
 
 
 def _peak_flops(job: Job) -> tuple[float, str]:

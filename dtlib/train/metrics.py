@@ -27,12 +27,11 @@ Taught in: Chapter 10, "What the log says".
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,7 @@ from dtlib.runtime import dist as ddist
 from dtlib.train.model import logits_of
 
 __all__ = ["flops_per_token", "measured_peak_flops", "peak_memory", "evaluate",
-           "StepClock", "RunLog", "tensorboard_writer"]
+           "RunLog", "tensorboard_writer"]
 
 
 def flops_per_token(n_params: int, n_layers: int, seq_len: int, hidden: int) -> int:
@@ -133,41 +132,6 @@ def evaluate(job: Any) -> float:
         dist.all_reduce(total, group=par.dp_group)
     loss_sum, count = total.tolist()  # the evaluation's one host sync
     return loss_sum / count
-
-
-class StepClock:
-    """Step times from step end to step end, with what runs in :meth:`paused`
-    (saving, evaluating, logging) taken out.
-
-    Taught in: Chapter 10, "What the log says".
-    """
-
-    def __init__(self) -> None:
-        self.last = time.perf_counter()
-        self.times: list[float] = []
-        self.last_s: float | None = None  # the latest step's seconds
-
-    def step_done(self) -> None:
-        """A step has ended (the loop has synchronised the device)."""
-        now = time.perf_counter()
-        self.times.append(now - self.last)
-        self.last_s = now - self.last
-        self.last = now
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """A context whose time is no step's."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.last += time.perf_counter() - t0
-
-    def take(self) -> float:
-        """The mean step time since the last call (seconds); starts a new window."""
-        mean = sum(self.times) / max(1, len(self.times))
-        self.times = []
-        return mean
 
 
 class RunLog:

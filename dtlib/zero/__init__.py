@@ -25,13 +25,14 @@ from dtlib.zero.flat_params import FlatLayout, assign_units, default_unit_module
 from dtlib.zero.fsdp import (fully_shard, MixedPrecisionPolicy, shard_fsdp2,
                              bf16_policy, fsdp_state_bytes, full_parameters,
                              DEEPSPEED_TO_FSDP)
-from dtlib.zero.parallelism import parallelism
+from dtlib.zero.parallelism import StateAfterStep, parallelism
 from dtlib.zero.deepspeed_config import (TOP_LEVEL_KEYS, ZERO_KEYS, OFFLOAD_KEYS,
                                          PRECISIONS, DeepSpeedCheck, deepspeed_config,
                                          validate_deepspeed_config,
                                          consistent_world_sizes)
 
 __all__ = ["ShardedOptimizer", "FullyShardedModule", "ShardedUnits", "parallelism",
+           "StateAfterStep",
            "zero_comm_elements", "no_decay_groups", "Unit", "free_flat",
            "gather_flat", "install_stage3_hooks", "FlatLayout", "assign_units",
            "default_unit_modules", "fully_shard", "MixedPrecisionPolicy",

@@ -142,19 +142,14 @@ def full_engine_state(engine: Any, stage: int) -> dict[str, torch.Tensor]:
 
 class EngineStep:
     """The optimizer ``run_steps`` sees for DeepSpeed: ``step`` is ``engine.step()``
-    (which clips, steps and zeroes the gradients); after the last one it records
-    the model-state bytes, with the gradients collected just before it."""
+    (which clips, steps and zeroes the gradients), so ``zero_grad`` has nothing
+    left to do."""
 
-    def __init__(self, engine: Any, steps: int) -> None:
-        self.engine, self.steps, self.done, self.state = engine, steps, 0, {}
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
 
     def step(self) -> None:
-        last = self.done == self.steps - 1
-        grads = _deepspeed_grads(self.engine) if last else []
         self.engine.step()
-        self.done += 1
-        if last:
-            self.state = deepspeed_state_bytes(self.engine, grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass  # engine.step() did
@@ -168,14 +163,13 @@ class DeepSpeedParallelism(Parallelism):
         stage: ZeRO stage 1-3 (the config's ``zero_optimization.stage``).
         micro_batch: rows per rank (the config's micro-batch).
         optimizer_class, optimizer_kwargs: the torch optimizer handed to DeepSpeed.
-        steps: the run's length (the bytes are measured after the last step).
 
     Taught in: Chapter 4, "DeepSpeed, run".
     """
 
     def __init__(self, stage: int, micro_batch: int, optimizer_class: type,
-                 optimizer_kwargs: dict[str, Any], steps: int) -> None:
-        self.stage, self.micro_batch, self.steps = stage, micro_batch, steps
+                 optimizer_kwargs: dict[str, Any]) -> None:
+        self.stage, self.micro_batch = stage, micro_batch
         self.optimizer_class, self.optimizer_kwargs = optimizer_class, optimizer_kwargs
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
         self.name = f"deepspeed-{stage}"
@@ -186,7 +180,18 @@ class DeepSpeedParallelism(Parallelism):
 
     def make_optimizer(self, wrapped: Any, optimizer_class: type,
                        **kwargs: Any) -> Any:
-        return EngineStep(wrapped, self.steps)
+        return EngineStep(wrapped)
+
+    def gradients_held(self, wrapped: Any) -> list[torch.Tensor]:
+        """The gradient buffers the engine holds between backward and its step
+        (``engine.step()`` frees them; ``StateAfterStep`` notes them before)."""
+        return _deepspeed_grads(wrapped)
+
+    def state_bytes(self, wrapped: Any, optimizer: Any,
+                    grads: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+        """Bytes of model states this rank holds, with ``grads`` the gradients
+        held before the step (:func:`deepspeed_state_bytes`)."""
+        return deepspeed_state_bytes(wrapped, grads)
 
     def local_batch(self, batch: Batch) -> Batch:
         return rows_of_rank(batch, self.dp_rank, self.dp_size)

@@ -20,14 +20,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.data_parallel.parallelism import rows_of_rank
-from dtlib.models.run import Batch, Parallelism, full_tensor, tensors_by_name
+from dtlib.models.run import (Batch, Callback, Parallelism, full_tensor,
+                              tensors_by_name)
 from dtlib.zero.fsdp import (MixedPrecisionPolicy, fsdp_state_bytes, gradient_sync,
                              shard_fsdp2)
 from dtlib.zero.optimizer import ShardedOptimizer
 from dtlib.zero.stage3 import FullyShardedModule
 
 __all__ = ["parallelism", "ZeroParallelism", "FSDP2Parallelism", "VARIANTS",
-           "rows_of_rank"]
+           "rows_of_rank", "StateAfterStep"]
 
 VARIANTS = ("ours", "fsdp2")
 
@@ -188,3 +189,33 @@ def parallelism(stage: int, *, variant: str = "ours", group: Any = None,
         raise ValueError(f"mp_policy needs stage=3 (or variant='fsdp2'), got "
                          f"stage={stage!r}")
     return ZeroParallelism(stage, group, unit_modules, mp_policy)
+
+
+class StateAfterStep(Callback):
+    """The one loop's callback that measures this rank's model states
+    (``par.state_bytes``) after optimizer step ``step``, before ``zero_grad``: the
+    moment the ZeRO paper's formula describes, the gradients still held (FSDP2
+    frees them at ``zero_grad``). DeepSpeed's ``engine.step()`` frees its own, so
+    for a Parallelism with ``gradients_held`` they are noted just before the step.
+    ``state`` holds the bytes once that step is done.
+
+    Taught in: Chapter 4, "Memory, measured".
+    """
+
+    def __init__(self, par: Parallelism, step: int) -> None:
+        if not hasattr(par, "state_bytes"):
+            raise ValueError(f"par={par.name!r} does not measure its model states; "
+                             "allowed: a ZeRO, FSDP2 or DeepSpeed Parallelism")
+        self.par, self.step, self.state = par, step, {}
+        self.grads: Any = None
+
+    def before_optimizer_step(self, step: int, wrapped: nn.Module, optimizer: Any
+                              ) -> None:
+        if step == self.step and hasattr(self.par, "gradients_held"):
+            self.grads = self.par.gradients_held(wrapped)
+
+    def on_optimizer_step(self, step: int, wrapped: nn.Module, optimizer: Any
+                          ) -> None:
+        if step == self.step:
+            held = {} if self.grads is None else {"grads": self.grads}
+            self.state = self.par.state_bytes(wrapped, optimizer, **held)

@@ -30,7 +30,8 @@ from dtlib.data_parallel import VARIANTS, parallelism
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import gpt_batches, grads_of
 from dtlib.models.reference import reference_gpt_run
-from dtlib.models.run import RunResult, gpt_loss, run_steps
+from dtlib.models.run import (OnStepEnd, RunConfig, RunResult, TrainState, gpt_loss,
+                              run_steps)
 from dtlib.models.sizes import size
 from dtlib.runtime import dist as ddist
 
@@ -87,9 +88,9 @@ def train_replica(cfg: GPTConfig, variant: str, micro_batch: int, steps: int,
     """
     par = parallelism(variant, bucket_cap_mb=bucket_cap_mb)
     return run_steps(par, build_gpt(cfg, seed),
-                     gpt_batches(cfg, par.dp_size * micro_batch), steps,
-                     optimizer_class=optimizer_class,
-                     optimizer_kwargs={"lr": lr, **optimizer_kwargs})
+                     gpt_batches(cfg, par.dp_size * micro_batch),
+                     RunConfig(steps, optimizer_class=optimizer_class,
+                               optimizer_kwargs={"lr": lr, **optimizer_kwargs}))
 
 
 def train_variants(cfg: GPTConfig, micro_batch: int, steps: int,
@@ -124,19 +125,19 @@ def measure_step(cfg: GPTConfig, variant: str, micro_batch: int, steps: int = 10
 
     Taught in: Chapter 3, "Counting the messages".
     """
-    from dtlib.collectives.accounting import count_comms
+    from dtlib.collectives.accounting import CountComms
 
     world = ddist.world()
     warmup = max(1, warmup)
     par = parallelism(variant, bucket_cap_mb=bucket_cap_mb)
     model = par.apply(build_gpt(cfg))
     batch = token_batch(cfg, micro_batch, seed=world.rank, device=world.device)
-    run = run_steps(par, model, lambda step: batch, warmup + 1 + steps, local=True,
-                    wrapped=model, optimizer_class=torch.optim.AdamW,
-                    optimizer_kwargs={"lr": 1e-4},
-                    comms=lambda: count_comms(), comms_step=warmup,
-                    record_grads=False, record_params=False,
-                    on_step=lambda *_: dist.barrier())
+    config = RunConfig(warmup + 1 + steps, optimizer_kwargs={"lr": 1e-4},
+                       local_batches=True, record_grads=False, record_params=False)
+    callbacks = [CountComms(warmup + 1),  # the first step after the warm-up
+                 OnStepEnd(lambda end: dist.barrier())]
+    run = run_steps(par, None, lambda step: batch, config, TrainState(model),
+                    callbacks)
     log = run.comms
     n_params = sum(p.numel() for p in model.module.parameters())
     return {"variant": variant, "world_size": world.world_size, "n_params": n_params,

@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.chapters.ch04_zero_fsdp.runs import StateAfterStep, optimizer_of
+from dtlib.chapters.ch04_zero_fsdp.runs import optimizer_of
 from dtlib.models import hf
-from dtlib.models.run import Parallelism, run_steps
-from dtlib.zero import parallelism
+from dtlib.models.run import Parallelism, RunConfig, TrainState, run_steps
+from dtlib.zero import StateAfterStep, parallelism
 from dtlib.zero.deepspeed_engine import CLIP, DeepSpeedParallelism
 
 __all__ = ["TINY_LLAMA", "VARIANTS", "train_rank", "compare_rank", "reference_run"]
@@ -82,21 +82,19 @@ def train_rank(variant: str, stage: int = 3, steps: int = 3, batch_per_rank: int
     cls, kwargs = optimizer_of(optimizer, HYPER["lr"] if lr is None else lr)
     kwargs["weight_decay"] = HYPER["weight_decay"]
     if variant == "deepspeed":
-        par: Any = DeepSpeedParallelism(stage, batch_per_rank, cls, kwargs, steps)
-        wrapped = par.apply(model)
-        opt = par.make_optimizer(wrapped, cls)
+        par: Any = DeepSpeedParallelism(stage, batch_per_rank, cls, kwargs)
         clip = None  # the config's gradient_clipping, inside engine.step()
+        state = TrainState()
     else:
         par = parallelism(stage, variant=variant)
-        wrapped = par.apply(model)
-        inner = par.make_optimizer(wrapped, cls, **kwargs)
-        opt = StateAfterStep(inner, lambda: par.state_bytes(wrapped, inner), steps)
         clip = HYPER["clip"]
-    run = run_steps(par, model, lambda step: batch, steps, wrapped=wrapped,
-                    optimizer=opt, loss_fn=_loss, max_grad_norm=clip,
-                    record_grads=False)
+        wrapped = par.apply(model)
+        state = TrainState(wrapped, par.make_optimizer(wrapped, cls, **kwargs))
+    measured = StateAfterStep(par, steps)  # after the last step
+    config = RunConfig(steps, loss_fn=_loss, max_grad_norm=clip, record_grads=False)
+    run = run_steps(par, model, lambda step: batch, config, state, [measured])
     return {"variant": variant, "stage": stage, "losses": run.losses,
-            "n_params": n_params, "params": run.params, "state": opt.state}
+            "n_params": n_params, "params": run.params, "state": measured.state}
 
 
 def reference_run(world_size: int = 2, steps: int = 3, batch_per_rank: int = 2,
@@ -109,9 +107,9 @@ def reference_run(world_size: int = 2, steps: int = 3, batch_per_rank: int = 2,
     batch = _global_batch(world_size * batch_per_rank, seed)
     cls, kwargs = optimizer_of(optimizer, HYPER["lr"] if lr is None else lr)
     kwargs["weight_decay"] = HYPER["weight_decay"]
-    run = run_steps(Parallelism(), _model(seed), lambda step: batch, steps,
-                    optimizer_class=cls, optimizer_kwargs=kwargs, loss_fn=_loss,
-                    max_grad_norm=HYPER["clip"], record_grads=False)
+    config = RunConfig(steps, optimizer_class=cls, optimizer_kwargs=kwargs,
+                       loss_fn=_loss, max_grad_norm=HYPER["clip"], record_grads=False)
+    run = run_steps(Parallelism(), _model(seed), lambda step: batch, config)
     return {"losses": run.losses, "params": run.params}
 
 

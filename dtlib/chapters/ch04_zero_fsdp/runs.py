@@ -8,25 +8,25 @@ then get a gradient on some ranks only (or on none). :func:`moe_rank` trains
 it with a torch optimizer on one process (:func:`moe_reference`); both are
 :func:`dtlib.models.run.run_steps`.
 
-Also here: :data:`OPTIMIZERS`, the optimizers chapter 4's runs choose from, and
-:class:`StateAfterStep`, which measures a rank's model states after its last step.
+Also here: :data:`OPTIMIZERS`, the optimizers chapter 4's runs choose from.
 
 Taught in: Chapter 4, "Parameters some ranks do not use".
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd,
+                              TrainState, run_steps)
 from dtlib.runtime.dist import world
 from dtlib.zero import no_decay_groups, parallelism
 
-__all__ = ["TinyMoE", "ROUTINGS", "OPTIMIZERS", "optimizer_of", "StateAfterStep",
+__all__ = ["TinyMoE", "ROUTINGS", "OPTIMIZERS", "optimizer_of",
            "route", "moe_batch", "moe_reference", "moe_rank", "moe_demo_rank",
            "fsdp2_reshard_traffic"]
 
@@ -57,31 +57,6 @@ def optimizer_of(optimizer: str, lr: float) -> tuple[type, dict[str, Any]]:
                          f"{sorted(OPTIMIZERS)}")
     cls, kwargs = OPTIMIZERS[optimizer]
     return cls, {"lr": lr, **kwargs}
-
-
-class StateAfterStep:
-    """A run's optimizer that measures the model states after its last step.
-
-    After the step and before ``zero_grad`` the gradients are still held: the
-    moment the ZeRO paper's formula describes (FSDP2 frees them at ``zero_grad``).
-    ``state`` holds ``measure()``'s result once the ``steps``-th step is done.
-
-    Taught in: Chapter 4, "Memory, measured".
-    """
-
-    def __init__(self, optimizer: Any, measure: Callable[[], dict[str, int]],
-                 steps: int) -> None:
-        self.optimizer, self.measure, self.steps = optimizer, measure, steps
-        self.done, self.state = 0, {}
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.done += 1
-        if self.done == self.steps:
-            self.state = self.measure()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
 class TinyMoE(nn.Module):
@@ -162,9 +137,11 @@ def moe_reference(world_size: int, steps: int = 4, lr: float = 1e-2,
 
     x, y = moe_batch(world_size)
     # zero_grad sets the gradients to None: a parameter nobody used is skipped
-    return run_steps(Parallelism(), net, lambda step: (x, y, step), steps,
-                     optimizer=cls(_groups(net, no_decay), **kwargs),
-                     loss_fn=loss_fn, max_grad_norm=clip, record_grads=False).params
+    config = RunConfig(steps, loss_fn=loss_fn, max_grad_norm=clip,
+                       record_grads=False)
+    return run_steps(Parallelism(), net, lambda step: (x, y, step), config,
+                     TrainState(optimizer=cls(_groups(net, no_decay), **kwargs))
+                     ).params
 
 
 def moe_rank(stage: int, steps: int = 4, lr: float = 1e-2, freeze: bool = False,
@@ -200,8 +177,8 @@ def moe_rank(stage: int, steps: int = 4, lr: float = 1e-2, freeze: bool = False,
     opt = par.make_optimizer(wrapped, cls, params=_groups(wrapped, no_decay), **kwargs)
     orders: dict[str, list[int]] = {}
 
-    def first_backward(done: int, loss: float, extra: dict) -> None:
-        if done == 1:  # rank 0 used expert 1, the others did not
+    def first_backward(end: StepEnd) -> None:
+        if end.step == 1:  # rank 0 used expert 1, the others did not
             units = (wrapped if stage == 3 else opt).units  # dtlib.zero.ShardedUnits
             orders.update(hook_order=list(units.hook_order),
                           reduce_order=list(units.reduce_order))
@@ -211,9 +188,11 @@ def moe_rank(stage: int, steps: int = 4, lr: float = 1e-2, freeze: bool = False,
         return F.cross_entropy(model(xr, route(rank, step, routing)), yr)
 
     x, y = moe_batch(world_size)
-    got = run_steps(par, net, lambda step: (x, y, step), steps, wrapped=wrapped,
-                    optimizer=opt, loss_fn=loss_fn, max_grad_norm=clip,
-                    record_grads=False, on_step=first_backward).params
+    config = RunConfig(steps, loss_fn=loss_fn, max_grad_norm=clip,
+                       record_grads=False)
+    got = run_steps(par, None, lambda step: (x, y, step), config,
+                    TrainState(wrapped=wrapped, optimizer=opt),
+                    [OnStepEnd(first_backward)]).params
     out: dict[str, Any] = {"params": got, "init": init, **orders}
     if compare:
         ref = moe_reference(world_size, steps, lr, freeze, no_decay, clip, routing,

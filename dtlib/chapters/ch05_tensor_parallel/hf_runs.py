@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtlib.models import hf
-from dtlib.models.run import Parallelism, RunResult, local_tensor, run_steps
+from dtlib.models.run import (Parallelism, RunConfig, RunResult, TrainState,
+                              local_tensor, run_steps)
 from dtlib.runtime import dist as ddist
 from dtlib.tensor_parallel import VARIANTS, parallelism
 
@@ -65,9 +66,9 @@ def llama_run(par: Parallelism, steps: int = 3, batch: int = 4, seed: int = 0
     model = hf.build_hf_llama(hf.llama_config(**TINY_LLAMA), seed=seed)
     model = par.apply(model.to(ddist.world().device))
     data = _batch(batch, seed)  # every step the same batch, on every rank
-    result = run_steps(par, model, lambda step: data, steps, wrapped=model,
-                       loss_fn=llama_loss, optimizer_class=torch.optim.SGD,
-                       optimizer_kwargs=OPTIMIZER)
+    config = RunConfig(steps, optimizer_class=torch.optim.SGD,
+                       optimizer_kwargs=OPTIMIZER, loss_fn=llama_loss)
+    result = run_steps(par, None, lambda step: data, config, TrainState(model))
     result.extra["local_numel"] = sum(local_tensor(p).numel()
                                       for p in model.parameters())
     return result

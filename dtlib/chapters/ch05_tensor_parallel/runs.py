@@ -23,8 +23,8 @@ from dtlib.collectives.accounting import count_comms
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
 from dtlib.models.reference import reference_gpt_run
-from dtlib.models.run import (Parallelism, RunResult, default_step, local_tensor,
-                              run_steps)
+from dtlib.models.run import (Parallelism, RunConfig, RunResult, TrainState,
+                              default_step, local_tensor, run_steps)
 from dtlib.models.sizes import size
 from dtlib.runtime import dist as ddist
 from dtlib.tensor_parallel import VARIANTS, parallelism
@@ -133,11 +133,11 @@ def train_tp(cfg: GPTConfig, variant: str, batch: int, steps: int, lr: float = 1
     if not with_f:
         drop_f(model)
     comms: dict[str, Any] = {}
-    result = run_steps(par, model, gpt_batches(cfg, batch, device), steps,
-                       wrapped=model, optimizer_class=optimizer_class,
+    config = RunConfig(steps, optimizer_class=optimizer_class,
                        optimizer_kwargs={"lr": lr, **optimizer_kwargs},
-                       step_fn=count_first_step(comms)
-                       if count else None)
+                       step_fn=count_first_step(comms) if count else None)
+    result = run_steps(par, None, gpt_batches(cfg, batch, device), config,
+                       TrainState(model))
     result.extra.update(counts=parallel_param_count(model), comms=comms,
                         local=_replicated(model))
     return result

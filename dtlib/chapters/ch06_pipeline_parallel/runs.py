@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches, reference_gpt_run
-from dtlib.models.run import run_steps
+from dtlib.models.run import RunConfig, run_steps
 from dtlib.models.sizes import size
 from dtlib.pipeline_parallel import lm_loss, parallelism
 from dtlib.pipeline_parallel.schedules import idle_fractions, pipeline_step
@@ -71,9 +71,10 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
     par = parallelism(schedule, n_microbatches, variant=kind, group=group,
                       loss=loss, micro_batch=batch // n_microbatches)
     opt = dict(OPTIMIZER)
-    res = run_steps(par, build_gpt(cfg, seed=0).to(device), gpt_batches(cfg, batch,
-                    device), steps, optimizer_class=opt.pop("optimizer_class"),
-                    optimizer_kwargs=opt)
+    config = RunConfig(steps, optimizer_class=opt.pop("optimizer_class"),
+                       optimizer_kwargs=opt)
+    res = run_steps(par, build_gpt(cfg, seed=0).to(device),
+                    gpt_batches(cfg, batch, device), config)
     out = {"losses": res.losses, "grads": res.grads, "params": res.params,
            "names": par.stage_names[par.rank]}
     if par.last_step is not None:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib.collectives.accounting import count_comms
+from dtlib.collectives.accounting import CountComms
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-from dtlib.models.run import Parallelism, default_step, run_steps
+from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd, TrainState,
+                              default_step, run_steps)
 from dtlib.precision.loss_scaling import DynamicLossScaler
 from dtlib.precision.sharded import ShardedLossScaler, SimulatedRanks
 from dtlib.runtime.dist import world
@@ -98,9 +99,10 @@ def policy_rank(names: tuple[str, ...] = tuple(POLICIES), steps: int = 3
             net = build_gpt(GPTConfig(**GPT), 0).to(world().device)
             n_params = sum(p.numel() for p in net.parameters())
             par = parallelism(3, variant=variant, mp_policy=policy(name))
-            run = run_steps(par, net, lambda step: (x, y), steps,
-                            optimizer_class=torch.optim.SGD, optimizer_kwargs=SGD,
-                            loss_fn=_loss, comms=count_comms, comms_step=1)
+            config = RunConfig(steps, optimizer_class=torch.optim.SGD,
+                               optimizer_kwargs=SGD, loss_fn=_loss)
+            run = run_steps(par, net, lambda step: (x, y), config,
+                            callbacks=[CountComms(2)])  # the second step
             out[variant, name] = {"losses": run.losses, "grads": run.grads,
                                   "params": run.params, "n_params": n_params,
                                   "bytes": wire_bytes(run.comms)}
@@ -114,9 +116,9 @@ def simulated(world_size: int, name: str, steps: int = 3) -> dict[str, Any]:
     par = Parallelism() if param_dtype is None else SimulatedRanks(
         world_size, param_dtype, reduce_dtype)
     x, y = _batch(world_size)
-    run = run_steps(par, build_gpt(GPTConfig(**GPT), 0), lambda step: (x, y), steps,
-                    optimizer_class=torch.optim.SGD, optimizer_kwargs=SGD,
-                    loss_fn=_loss)
+    run = run_steps(par, build_gpt(GPTConfig(**GPT), 0), lambda step: (x, y),
+                    RunConfig(steps, optimizer_class=torch.optim.SGD,
+                              optimizer_kwargs=SGD, loss_fn=_loss))
     return {"losses": run.losses, "grads": run.grads, "params": run.params}
 
 
@@ -158,14 +160,14 @@ def scaler_rank(agree: bool, bad: str = "inf", bad_rank: int = 1, bad_step: int 
         step_no[0] += 1
         return loss
 
-    def on_step(done: int, loss: float, extra: dict[str, Any]) -> None:
+    def scale_after(end: StepEnd) -> None:
         out["scales"].append(scaler.get_scale())
 
     net = build_gpt(GPTConfig(**GPT), 0).to(world().device)
-    run = run_steps(parallelism(3), net, lambda step: (x, y), steps,
-                    optimizer_class=torch.optim.SGD,
-                    optimizer_kwargs=SGD, loss_fn=_loss, step_fn=step_fn,
-                    scaler=scaler, record_grads=False, on_step=on_step)
+    config = RunConfig(steps, optimizer_class=torch.optim.SGD, optimizer_kwargs=SGD,
+                       loss_fn=_loss, step_fn=step_fn, record_grads=False)
+    run = run_steps(parallelism(3), net, lambda step: (x, y), config,
+                    TrainState(scaler=scaler), [OnStepEnd(scale_after)])
     out["params"] = run.params
     return out
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.run import Parallelism, RunConfig, run_steps
 from dtlib.models.sizes import size
 from dtlib.precision.float8_linear import Float8Linear, swap_linears
 
@@ -77,10 +77,11 @@ def fp8_training(steps: int = 150, *, cfg: GPTConfig | None = None, batch: int =
         if scaling is not None:
             out["swapped"] = swap_linears(model, scaling=scaling, history=history)
         t0 = time.process_time()
+        config = RunConfig(steps, optimizer_kwargs={"lr": lr, "foreach": True},
+                           autocast_dtype=torch.bfloat16 if scaling is None
+                           else None, record_grads=False, record_params=False)
         res = run_steps(Parallelism(), model, lambda i: batches[i % len(batches)],
-                        steps, optimizer_kwargs={"lr": lr, "foreach": True},
-                        autocast_dtype=torch.bfloat16 if scaling is None else None,
-                        record_grads=False, record_params=False)
+                        config)
         out["seconds"][label] = time.process_time() - t0
         out["losses"][label] = res.losses
         out["paths"][label] = sum((m.recipe.paths for m in model.modules()

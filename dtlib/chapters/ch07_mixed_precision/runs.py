@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-from dtlib.models.run import Parallelism, default_step, run_steps
+from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd, TrainState,
+                              default_step, run_steps)
 from dtlib.precision import parallelism
 from dtlib.precision.loss_scaling import DynamicLossScaler
 from dtlib.precision.mixed_precision import LOW_DTYPES, MODES
@@ -64,16 +65,17 @@ def scaler_trajectory(kind: str, steps: int = 8, *, init_scale: float = 2.0 ** 1
         before[:] = [p.detach().clone() for p in wrapped.parameters()]
         return loss
 
-    def on_step(done: int, loss: float, extra: dict[str, Any]) -> None:
+    def skipped(end: StepEnd) -> None:
         out["skipped"].append(all(torch.equal(b, p) for b, p in
                                   zip(before, model.parameters())))
 
+    config = RunConfig(steps, optimizer_kwargs={"lr": lr}, step_fn=step_fn,
+                       autocast_dtype=torch.bfloat16, max_grad_norm=clip,
+                       record_grads=False)
     res = run_steps(Parallelism(), model,
                     lambda i: token_batch(cfg, batch, seed=seed + 1 + i,
-                                          device=device), steps,
-                    optimizer_kwargs={"lr": lr}, step_fn=step_fn, scaler=scaler,
-                    autocast_dtype=torch.bfloat16, max_grad_norm=clip,
-                    record_grads=False, on_step=on_step)
+                                          device=device), config,
+                    TrainState(scaler=scaler), [OnStepEnd(skipped)])
     out["loss"], out["params"] = res.losses, res.params
     return out
 
@@ -106,10 +108,10 @@ def train_losses(mode: str, steps: int = 12, *, dtype: torch.dtype = torch.bfloa
                for i in range(4)]
     res = run_steps(parallelism(dtype) if manual else Parallelism(),
                     build_gpt(cfg, seed).to(device),
-                    lambda i: batches[i % len(batches)], steps,
-                    optimizer_kwargs={"lr": lr},
-                    scaler=DynamicLossScaler() if manual and dtype == torch.float16
-                    else None,
-                    autocast_dtype=dtype if mode == "autocast" else None,
-                    record_grads=False, record_params=False)
+                    lambda i: batches[i % len(batches)],
+                    RunConfig(steps, optimizer_kwargs={"lr": lr},
+                              autocast_dtype=dtype if mode == "autocast" else None,
+                              record_grads=False, record_params=False),
+                    TrainState(scaler=DynamicLossScaler()
+                               if manual and dtype == torch.float16 else None))
     return res.losses

@@ -29,8 +29,8 @@ from dtlib.chapters.ch03_data_parallel.runs import TINY
 from dtlib.chapters.ch08_gradient_accumulation.seed import seed_accumulate
 from dtlib.data_parallel import DataParallelism
 from dtlib.models.gpt import GPTConfig, build_gpt
-from dtlib.models.reference import grads_of, train_reference
-from dtlib.models.run import Parallelism, RunResult, run_steps
+from dtlib.models.reference import grads_of, reference_run
+from dtlib.models.run import Parallelism, RunConfig, RunResult, TrainState, run_steps
 from dtlib.runtime import dist as ddist
 
 METHODS = ("tokens", "seed", "local_tokens", "trainer")
@@ -126,8 +126,8 @@ def reference_steps(cfg: GPTConfig, groups: Sequence[Sequence[MicroBatch]],
 
     Taught in: Chapter 8, "Equal to the large batch".
     """
-    return train_reference(build_gpt(cfg, seed), (large_batch(g) for g in groups),
-                           lr=lr, optimizer_class=optimizer_class, **optimizer_kwargs)
+    return reference_run(build_gpt(cfg, seed), (large_batch(g) for g in groups),
+                         lr=lr, optimizer_class=optimizer_class, **optimizer_kwargs)
 
 
 def global_groups(cfg: GPTConfig, world_size: int, accum_steps: int,
@@ -253,10 +253,10 @@ def ddp_accumulation(cfg: GPTConfig, variant: str, accum_steps: int, micro_batch
     extra: dict[str, list[int]] = {"grad_allreduces": [], "count_allreduces": [],
                                    "tokens": []}
     device = world.device
-    out = run_steps(par, model,
+    config = RunConfig(steps, step_fn=_counted(step_fn, extra), local_batches=True)
+    out = run_steps(par, None,
                     lambda s: [tuple(t.to(device) for t in mb) for mb in mine[s]],
-                    steps, local=True, wrapped=model, optimizer=opt,
-                    step_fn=_counted(step_fn, extra))
+                    config, TrainState(model, opt))
     out.extra.update(extra)
     synced_once = use_no_sync or method == "local_tokens"
     out.extra["n_buckets"] = extra["grad_allreduces"][-1] // (

@@ -6,9 +6,9 @@ noise (NumPy), a shuffled sampler whose order changes each epoch, and a cosine l
 rate. It can save, stop (the "crash": every object is dropped), and resume from the
 newest checkpoint restoring all or only some of the state, skipping the consumed batches
 arithmetically or by replaying the loader. It trains through the one loop,
-:func:`dtlib.models.run.run_steps` (saving and the "crash" ride on its ``on_step``);
-run under :func:`dtlib.runtime.launch.spawn` it trains with DDP. The chapter compares
-final parameters with ``torch.equal``.
+:func:`dtlib.models.run.run_steps` (saving and the "crash" are a callback at its
+``on_save`` and ``should_stop``); run under :func:`dtlib.runtime.launch.spawn` it
+trains with DDP. The chapter compares final parameters with ``torch.equal``.
 
 Also here: the seed tutorial's defects 36 and 39 as small reproductions.
 
@@ -33,7 +33,8 @@ from dtlib.checkpoint.state import (STATE_KEYS, latest_checkpoint, load_checkpoi
                                     rng_state, save_checkpoint, set_rng_state)
 from dtlib.data_parallel.sampling import ResumableSampler
 from dtlib.models.gpt import GPTConfig, build_gpt
-from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.run import (Callback, Every, Parallelism, RunConfig, StepEnd,
+                              TrainState, run_steps)
 from dtlib.models.sizes import size
 from dtlib.runtime.dist import world
 
@@ -142,18 +143,24 @@ def train_run(total_steps: int, ckpt_dir: str | None = None, *,
             set_rng_state(generators)
     pos["it"] = iter(loader) if pos["it"] is None else pos["it"]
 
-    def on_step(step: int, loss: float, extra: dict[str, Any]) -> bool:
-        if t_load is not None and step == start_step + 1:
-            extra["resume_s"] = time.perf_counter() - t_load
-        if save_every and step % save_every == 0:
-            save_checkpoint(ckpt_dir, step, model, opt, sched, sampler,
-                            epoch=pos["epoch"])
-        return stop_at is not None and step >= stop_at  # the "crash"
+    class SaveAndCrash(Callback):
+        """Save every ``save_every`` steps; "crash" (leave) after ``stop_at``."""
 
-    run = run_steps(par, model, partial(_next_batch, pos, sampler, loader, w.device),
-                    total_steps, start=start_step, local=True, wrapped=model,
-                    optimizer=opt, scheduler=sched, record_grads=False,
-                    on_step=on_step)
+        def on_save(self, end: StepEnd) -> None:
+            save_checkpoint(ckpt_dir, end.step, model, opt, sched, sampler,
+                            epoch=pos["epoch"])
+
+        def on_step_end(self, end: StepEnd) -> None:
+            if t_load is not None and end.step == start_step + 1:
+                end.result.extra["resume_s"] = time.perf_counter() - t_load
+
+        def should_stop(self, end: StepEnd) -> bool:
+            return stop_at is not None and end.step >= stop_at  # the "crash"
+
+    config = RunConfig(total_steps, start=start_step, local_batches=True,
+                       record_grads=False, save=Every(save_every or 0))
+    run = run_steps(par, None, partial(_next_batch, pos, sampler, loader, w.device),
+                    config, TrainState(model, opt, sched), [SaveAndCrash()])
     params = torch.cat([p.float().flatten() for p in run.params.values()])
     return {"params": params, "step": start_step + len(run.losses),
             "losses": run.losses, "lr": sched.get_last_lr()[0], "loads": data.loads,

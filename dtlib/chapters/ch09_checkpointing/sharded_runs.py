@@ -18,7 +18,7 @@ from dtlib import zero
 from dtlib.checkpoint.sharded import flatten, load_sharded, save_sharded, state_bytes
 from dtlib.checkpoint.state import atomic_save
 from dtlib.models.gpt import build_gpt, token_batch
-from dtlib.models.run import full_tensor, local_tensor, run_steps
+from dtlib.models.run import RunConfig, TrainState, full_tensor, local_tensor, run_steps
 from dtlib.models.sizes import size
 from dtlib.runtime.dist import world
 
@@ -60,8 +60,9 @@ def fsdp_train(par: Any, model: torch.nn.Module, opt: Any, first_step: int,
     Taught in: Chapter 9, "Sharded state".
     """
     device = world().device
-    run_steps(par, model, lambda step: _batch(device, first_step + step), steps,
-              wrapped=model, optimizer=opt, record_grads=False, record_params=False)
+    run_steps(par, None, lambda step: _batch(device, first_step + step),
+              RunConfig(steps, record_grads=False, record_params=False),
+              TrainState(model, opt))
 
 
 def _fsdp_job(seed: int, train_steps: int) -> tuple[torch.nn.Module, Any]:

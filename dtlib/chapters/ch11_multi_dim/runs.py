@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib.collectives.accounting import count_comms
+from dtlib.collectives.accounting import CountComms
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches, reference_gpt_run
-from dtlib.models.run import Parallelism, local_tensor, run_steps
+from dtlib.models.run import Parallelism, RunConfig, TrainState, local_tensor, run_steps
 from dtlib.models.sizes import size
 from dtlib.parallel_nd import build_grid_groups, parallelism
 from dtlib.runtime import dist as ddist
@@ -85,11 +85,10 @@ def train(par: Parallelism, cfg: GPTConfig, batch: int, steps: int,
         raise ValueError(f"steps={steps} must be > {COMMS_STEP} (the counted step)")
     device = ddist.world().device
     wrapped: nn.Module = par.apply(build_gpt(cfg, seed).to(device))
-    res = run_steps(par, wrapped, gpt_batches(cfg, batch, device), steps,
-                    wrapped=wrapped, optimizer_class=torch.optim.SGD,
-                    optimizer_kwargs={"lr": lr, "momentum": MOMENTUM},
-                    comms=lambda: count_comms(),
-                    comms_step=COMMS_STEP)
+    config = RunConfig(steps, optimizer_class=torch.optim.SGD,
+                       optimizer_kwargs={"lr": lr, "momentum": MOMENTUM})
+    res = run_steps(par, None, gpt_batches(cfg, batch, device), config,
+                    TrainState(wrapped), [CountComms(COMMS_STEP + 1)])
     return {"losses": res.losses, "grads": res.grads, "params": res.params,
             "comms": _records(res.comms),
             "local_numel": sum(local_tensor(p).numel() for p in wrapped.parameters())}

@@ -27,7 +27,7 @@ from dtlib.context_parallel.ulysses import ulysses_attention
 from dtlib.memory.measure import measure_activations
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import gpt_batches, grads_of
-from dtlib.models.run import RunResult, run_steps
+from dtlib.models.run import RunConfig, RunResult, run_steps
 from dtlib.runtime import dist as ddist
 from dtlib.tensor_parallel.gpt import full_tensors, tensor_parallelize
 from dtlib.tensor_parallel.mappings import tp_rank, tp_size
@@ -227,9 +227,9 @@ def train_cp(cfg: GPTConfig, batch: int, steps: int, lr: float = 1e-3,
     """
     device = ddist.world().device
     return run_steps(cp_parallelism(), build_gpt(cfg, seed).to(device),
-                     gpt_batches(cfg, batch, device), steps,
-                     optimizer_class=optimizer_class,
-                     optimizer_kwargs={"lr": lr, **optimizer_kwargs})
+                     gpt_batches(cfg, batch, device),
+                     RunConfig(steps, optimizer_class=optimizer_class,
+                               optimizer_kwargs={"lr": lr, **optimizer_kwargs}))
 
 
 def probe_and_train_cp(cfg: GPTConfig, batch: int, steps: int, **optimizer: Any

@@ -25,7 +25,8 @@ from dtlib.chapters.ch13_time.machine import machine_from, measure_machine, slow
 from dtlib.chapters.ch13_time.probe import Probe, probe_rate
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
-from dtlib.models.run import Parallelism, run_steps
+from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd, TrainState,
+                              run_steps)
 from dtlib.planner.specs import ModelSpec
 from dtlib.planner.machine import Machine
 from dtlib.planner.step_time import Workload, predict
@@ -109,7 +110,7 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
     gauge = Probe(cfg, global_batch) if probe else None
     last = [probe_rate(gauge)] if gauge else []
 
-    def after_step(*_: Any) -> None:
+    def after_step(end: StepEnd) -> None:
         dist.barrier()
         if gauge is not None:
             last.append(probe_rate(gauge))
@@ -121,9 +122,10 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
             n_params = sum(p.numel() for p in model.parameters())
             n_tensors = len(list(model.parameters()))
             del last[:-1]  # the probe before this strategy's first step
-            run = run_steps(FACTORIES[name](), model, gpt_batches(cfg, global_batch,
-                            device), warmup + steps, record_grads=False,
-                            record_params=False, on_step=after_step)
+            config = RunConfig(warmup + steps, record_grads=False,
+                               record_params=False)
+            run = run_steps(FACTORIES[name](), model, gpt_batches(
+                cfg, global_batch, device), config, callbacks=[OnStepEnd(after_step)])
             times = [slowest(t) for t in run.step_times[warmup:]]
             rec = {"strategy": name, "world_size": dist.get_world_size(),
                    "step_time_s": statistics.median(times),
@@ -161,8 +163,8 @@ def measure_overheads(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
 
     def step_s(par: Parallelism) -> float:
         run = run_steps(par, build_gpt(cfg, seed=0).to(device),
-                        gpt_batches(cfg, rows, device), 1 + steps,
-                        record_grads=False, record_params=False)
+                        gpt_batches(cfg, rows, device),
+                        RunConfig(1 + steps, record_grads=False, record_params=False))
         return statistics.median(run.step_times[1:])
 
     out: dict[str, list[float]] = {}
@@ -249,12 +251,13 @@ def profile_step(strategy: str, cfg: GPTConfig = TIME_GPT, global_batch: int = 8
     wrapped = par.apply(model)
     opt = par.make_optimizer(wrapped, torch.optim.AdamW, lr=1e-3)
     batches = gpt_batches(cfg, global_batch, device)
-    kwargs = dict(wrapped=wrapped, optimizer=opt, record_grads=False,
-                  record_params=False)
-    run_steps(par, model, batches, 1, **kwargs)
+    state = TrainState(wrapped, opt)
+    run_steps(par, None, batches,
+              RunConfig(1, record_grads=False, record_params=False), state)
     dist.barrier()
     with profile(activities=activities) as prof:
-        run_steps(par, model, batches, 2, start=1, **kwargs)
+        run_steps(par, None, batches, RunConfig(2, start=1, record_grads=False,
+                                                record_params=False), state)
     path = None
     if trace_dir is not None and dist.get_rank() == 0:
         os.makedirs(trace_dir, exist_ok=True)

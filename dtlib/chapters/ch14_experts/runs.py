@@ -19,13 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib.collectives.accounting import count_comms
+from dtlib.collectives.accounting import CountComms, count_comms
 from dtlib.expert_parallel import (ExpertParallelMoE, MoE, MoEConfig, moe_gpt,
                                    moe_layers, moe_loss)
 from dtlib.expert_parallel import parallelism as ep_parallelism
 from dtlib.models.gpt import GPTConfig
 from dtlib.models.reference import gpt_batches
-from dtlib.models.run import Parallelism, RunResult, run_steps
+from dtlib.models.run import (Callback, Parallelism, RunConfig, RunResult, StepEnd,
+                              run_steps)
 from dtlib.runtime import dist as ddist
 
 #: hidden size and tokens per rank of the layer checks
@@ -113,16 +114,19 @@ def layer_check(cfg: MoEConfig, starved: bool = False) -> dict[str, Any]:
             "a2a_calls": log.calls("all_to_all")}
 
 
-def _record_counts(model: torch.nn.Module):
-    """``on_step`` of :func:`run_steps`: tokens per expert of every MoE layer, per
-    step, into ``extra["counts"]`` (and rows this rank's experts received, per
-    layer, into ``extra["received"]``)."""
-    def on_step(step: int, loss: float, extra: dict[str, Any]) -> None:
-        layers = moe_layers(model)
+class _RecordCounts(Callback):
+    """After every step: tokens per expert of every MoE layer into
+    ``result.extra["counts"]`` (and rows this rank's experts received, per layer,
+    into ``extra["received"]``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def on_step_end(self, end: StepEnd) -> None:
+        layers, extra = moe_layers(self.model), end.result.extra
         extra.setdefault("counts", []).append([m.counts.cpu().tolist() for m in layers])
         extra.setdefault("received", []).append(
             [getattr(m, "received", int(m.counts.sum())) for m in layers])
-    return on_step
 
 
 def train_moe(par: Parallelism, cfg: GPTConfig, moe: MoEConfig, batch: int,
@@ -140,10 +144,10 @@ def train_moe(par: Parallelism, cfg: GPTConfig, moe: MoEConfig, batch: int,
     model = moe_gpt(cfg, moe).to(ddist.world().device)
     kwargs = {"lr": lr, **({"momentum": momentum}
                            if optimizer_class is torch.optim.SGD else {})}
-    out = run_steps(par, model, gpt_batches(cfg, batch, ddist.world().device), steps,
-                    optimizer_class=optimizer_class, optimizer_kwargs=kwargs,
-                    loss_fn=moe_loss, comms=lambda: count_comms(),
-                    on_step=_record_counts(model))
+    config = RunConfig(steps, optimizer_class=optimizer_class,
+                       optimizer_kwargs=kwargs, loss_fn=moe_loss)
+    out = run_steps(par, model, gpt_batches(cfg, batch, ddist.world().device), config,
+                    callbacks=[CountComms(1), _RecordCounts(model)])
     out.extra["local_numel"] = sum(p.numel() for p in model.parameters())
     return out
 
@@ -180,6 +184,6 @@ def ep_checks(cfg: GPTConfig, moe: MoEConfig, batch: int, steps: int,
                                       batch, steps)
     if ep_dp is not None:
         ep, dp = ep_dp
-        out["ep_dp"] = train_moe(ep_parallelism(ep=ep, dp=dp), cfg, moe, batch, steps)
+        out["ep_dp"] = train_moe(ep_parallelism(ep=ep, edp=dp), cfg, moe, batch, steps)
     return out
 
