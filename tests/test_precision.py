@@ -357,3 +357,22 @@ def test_scaler_unscale_does_not_synchronise(monkeypatch):
     s.update()
     assert calls == ["item"]
 
+
+def test_the_tf32_switches_behave_as_chapter_7_says() -> None:
+    """Chapter 7: setting the legacy ``allow_tf32`` neither warns nor fails; after
+    ``fp32_precision`` was set, reading ``allow_tf32`` raises (mixed APIs)."""
+    import warnings
+
+    matmul = torch.backends.cuda.matmul
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) != (2, 13):
+        pytest.skip("the chapter states torch 2.13's behaviour")
+    before = matmul.fp32_precision
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning would fail here
+            matmul.allow_tf32 = False
+        matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+            _ = matmul.allow_tf32
+    finally:
+        matmul.fp32_precision = before

@@ -4,11 +4,15 @@ The same weights (router and experts copied from :func:`~.runs.build_moe`), the 
 tokens per rank, the same routing rules where DeepSpeed has them: top-1 or top-2,
 no random token selection (``use_rts=False``), no noise on the second choice
 (``top2_2nd_expert_sampling=False``), ``min_capacity=0``, and either no dropping
-(``drop_tokens=False``) or a capacity factor. DeepSpeed's gate keeps first choices
-before second choices and earlier tokens first, as ours does; with top-2 it
-renormalises the two gates *after* dropping (ours before), and its load-balancing
-loss counts first choices only (ours all assignments), so those two are compared
-where they agree (top-1, or nothing dropped).
+(``drop_tokens=False``) or a capacity factor. Where DeepSpeed drops, it drops other
+tokens than ours: its top-2 gate keeps first choices before second choices and
+earlier tokens first, as ours does, but renormalises the two gates *after* dropping
+(ours before); its top-1 gate keeps the tokens ``torch.topk`` picks from the 0/1
+routing mask (from a randomised one with ``use_rts``), among equal entries an order
+torch does not promise (not the earliest, measured). Its load-balancing loss counts
+first choices only (ours all assignments). So outputs and gradients are compared
+with nothing dropped, and the load-balancing losses under top-1, where both count
+the same assignments.
 
 Taught in: Chapter 14, "The library it meets".
 """
