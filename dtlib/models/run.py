@@ -280,6 +280,14 @@ class RunResult:
         return key in self.extra or key in self.__dataclass_fields__
 
 
+def _count(owner: str, name: str, value: Any, note: str = "") -> None:
+    """Refuse ``value`` unless it is an integer >= 0 (a bool is not), naming
+    ``owner(name=value)`` and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}({name}={value!r}): must be an integer >= 0"
+                         + (f" {note}" if note else ""))
+
+
 @dataclass(frozen=True)
 class Every:
     """A schedule over optimizer steps: every ``n``-th step (``n == 0``: none), and
@@ -290,9 +298,7 @@ class Every:
     last: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 0:
-            raise ValueError(f"Every(n={self.n!r}): n must be an integer >= 0 "
-                             "(0: no step but, with last=True, the last)")
+        _count("Every", "n", self.n, "(0: no step but, with last=True, the last)")
 
     def due(self, step: int, steps: int) -> bool:
         """Whether optimizer step ``step`` (1-based) of a run to ``steps`` is in."""
@@ -339,10 +345,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "start"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"RunConfig({name}={value!r}): must be an integer "
-                                 ">= 0")
+            _count("RunConfig", name, getattr(self, name))
         if self.steps < self.start:
             raise ValueError(f"RunConfig(steps={self.steps}) must be >= "
                              f"start={self.start} (steps is the step to stop after)")

@@ -178,7 +178,8 @@ class Capstone(Callback):
         if step == cfg.steps or (cfg.log_every and step % cfg.log_every == 0):
             mean = sum(self.times) / len(self.times)
             self.times = []
-            _log_step(self.job, self.log, step, end.loss, end.grad_norm or 0.0, mean,
+            # The norm is always measured: run_config clips to inf at --grad-clip 0.
+            _log_step(self.job, self.log, step, end.loss, float(end.grad_norm), mean,
                       self.flops, self.peak)
 
     def should_stop(self, end: StepEnd) -> bool:
