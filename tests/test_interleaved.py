@@ -2,8 +2,9 @@
 
 The simulator's bubble equals Narayanan et al.'s (1/v)(p-1)/m exactly (rel 1e-12:
 sums of fractions of time units); ``v = 1`` reproduces Chapter 6's 1F1B. torch's
-``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` train Chapter 6's
-GPT equal to one process on 2 and 4 ranks (one launch each), with Chapter 6's
+``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and the V-shaped
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` train Chapter 6's GPT, inside the
+one loop, equal to one process on 2 and 4 ranks (one launch each), with Chapter 6's
 optimizer (SGD with momentum) and its derived tolerances (``test_pipeline_parallel``:
 a few units of fp32 rounding per term summed).
 """
@@ -23,7 +24,7 @@ from dtlib.pipeline_parallel.interleaved import (interleaved_bubble, interleaved
 from dtlib.pipeline_parallel.schedules import simulate
 from dtlib.runtime import launch
 
-SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble")
+SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble", "zb-v", "dualpipev")
 
 
 def _bubble(events, m: int, t_f: float = 1.0, t_b: float = 2.0) -> float:
@@ -62,7 +63,8 @@ def both_schedules(batch: int, m: int, steps: int, v: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_torch_interleaved_schedules_equal_one_process(world_size: int) -> None:
-    batch, m, steps, v = 8, 4, 2, 2
+    # m = 2p: DualPipeV needs a micro-batch per stage (2 stages per rank)
+    batch, m, steps, v = 8, 2 * world_size, 2, 2
     ref = reference(PP_GPT, batch, steps)
     g = _scale(ref)
     res = launch.spawn(both_schedules, world_size, batch, m, steps, v, stream=False,
@@ -83,3 +85,12 @@ def test_torch_interleaved_schedules_equal_one_process(world_size: int) -> None:
     start = build_gpt(GPTConfig(**PP_GPT), seed=0).state_dict()
     moved = max((ref["params"][n] - start[n]).abs().max().item() for n in ref["params"])
     assert moved > 100 * param_atol(batch, steps, g)
+
+
+def test_a_schedule_names_the_stages_a_rank_may_hold() -> None:
+    from dtlib.pipeline_parallel import parallelism
+
+    with pytest.raises(ValueError, match="chunks=3 with schedule='zb-v'"):
+        parallelism("zb-v", 4, variant="torch", chunks=3)
+    with pytest.raises(ValueError, match="schedule='zb-v' with variant='ours'"):
+        parallelism("zb-v", 4)

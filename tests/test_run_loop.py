@@ -12,7 +12,8 @@ import torch
 
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.run import (AfterOptimizerStep, Callback, Every, OnStepEnd,
-                              Parallelism, RunConfig, StepEnd, TrainState, run_steps)
+                              Parallelism, RunConfig, StepEnd, TrainState, run_steps,
+                              tensors_by_name)
 
 CFG = GPTConfig(n_layers=1, hidden=16, seq_len=8, vocab_size=32)
 
@@ -134,3 +135,30 @@ def test_the_one_function_callbacks() -> None:
                                          or end.step == 3),
                                AfterOptimizerStep(lambda s, w, o: seen.append(s))])
     assert ends == seen == [1, 2, 3] and len(res.losses) == 3
+
+
+def test_a_parallelism_keeps_what_it_learned_per_model_not_per_last_call():
+    """Two models through one Parallelism: each model's full state is its own (the
+    pipeline's cut and ZeRO-1's optimizer are found by the model), and a model the
+    Parallelism never saw is refused by name."""
+    from dtlib import pipeline_parallel, zero
+
+    small = GPTConfig(vocab_size=32, seq_len=8, n_layers=2, hidden=16, n_heads=2)
+    deep = GPTConfig(vocab_size=32, seq_len=8, n_layers=4, hidden=16, n_heads=2)
+    par = pipeline_parallel.parallelism("1f1b", 1)
+    a = par.apply(build_gpt(small, 0))
+    b = par.apply(build_gpt(deep, 1))
+    for model, cfg, seed in ((a, small, 0), (b, deep, 1)):
+        want = tensors_by_name(build_gpt(cfg, seed))
+        got = par.full_state(model)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    with pytest.raises(ValueError, match="wrapped=Linear was not returned"):
+        par.full_state(torch.nn.Linear(2, 2))
+
+    z = zero.parallelism(1)
+    first, second = z.apply(build_gpt(small, 0)), z.apply(build_gpt(small, 1))
+    opt = z.make_optimizer(first, torch.optim.SGD, lr=0.1)
+    assert z.optimizer_of(first) is opt
+    with pytest.raises(ValueError, match="no ShardedOptimizer was made for it"):
+        z.full_state(second, grads=True)

@@ -155,15 +155,14 @@ class PpDp(PipelineParallel):
     def prepare(self, model: GPT) -> GPT:
         if self.tp_group is not None:
             tensor_parallelize(model, self.tp_group)
-        self.model = model
         return model
 
     def stage_state(self, stage: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
         if self.tp_group is None:
             return super().stage_state(stage, grads)
-        mine = {n for n, _ in stage.named_parameters()}
-        every = full_tensors(self.model, group=self.tp_group, grads=grads)
-        return {n: t for n, t in every.items() if n in mine}
+        # a stage names its tensors as the model does; its tp peers hold the same
+        # stage, so they gather the same slices in the same order
+        return full_tensors(stage, group=self.tp_group, grads=grads)
 
     def local_batch(self, batch: Batch) -> Batch:
         return rows_of_rank(batch, self.grid.coords["dp"], self.dp_size)

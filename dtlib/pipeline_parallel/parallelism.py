@@ -18,6 +18,8 @@ Taught in: Chapter 6, "Is it the same training?".
 from __future__ import annotations
 
 import inspect
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,12 +31,36 @@ from dtlib.models.gpt import GPT
 from dtlib.models.run import (Batch, Parallelism, clip_by_global_norm, gpt_loss,
                               tensors_by_name)
 from dtlib.pipeline_parallel.schedules import SCHEDULES, StepResult, pipeline_step
-from dtlib.pipeline_parallel.split import split_gpt
+from dtlib.pipeline_parallel.split import RankStages, split_gpt
 from dtlib.runtime.dist import world
 
-__all__ = ["VARIANTS", "lm_loss", "PipelineParallel", "parallelism"]
+__all__ = ["VARIANTS", "TORCH_SCHEDULES", "lm_loss", "StagePlan", "PipelineParallel",
+           "parallelism", "stages_of_rank"]
 
 VARIANTS = ("ours", "torch", "tracer")
+
+#: ``torch.distributed.pipelining``'s schedules by the book's name: the class, how
+#: many stages a rank holds (``None``: any number, ``chunks``), and their placement.
+TORCH_SCHEDULES: dict[str, tuple[str, int | None, str]] = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", None, "loop"),
+    "interleaved-zero-bubble": ("ScheduleInterleavedZeroBubble", None, "loop"),
+    "zb-v": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
+}
+
+
+def stages_of_rank(rank: int, n_ranks: int, chunks: int, placement: str) -> list[int]:
+    """The (virtual) stages rank ``rank`` of ``n_ranks`` holds, ``chunks`` each:
+    ``"loop"`` deals them round-robin (``r, r + p, ...``: interleaved), ``"v"`` goes
+    down and back up (``r`` and ``2p - 1 - r``: the last stage is on rank 0).
+
+    Taught in: Chapter 12, "Interleaving the pipeline".
+    """
+    if placement == "v":
+        return [rank, 2 * n_ranks - 1 - rank]
+    return [rank + k * n_ranks for k in range(chunks)]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -53,6 +79,22 @@ def _in_group(group: Any) -> tuple[int, int]:
     return 0, 1
 
 
+@dataclass
+class StagePlan:
+    """What :meth:`PipelineParallel.apply` learned about one model's cut: kept per
+    stage it returned, so that ``forward_backward`` and ``full_state`` read the
+    plan of the stage they are given, never the last one applied."""
+
+    cfg: Any
+    shapes: dict[str, tuple[torch.Size, torch.dtype]]
+    rank: int
+    n_stages: int
+    stage_names: list[list[str]]
+    torch_schedule: Any = None
+    first: bool = False  # this rank feeds the inputs (torch's schedules)
+    last_rank: int = 0  # the rank whose stage computes the loss (torch's schedules)
+
+
 class PipelineParallel(Parallelism):
     """One stage per rank of ``group``, trained by a schedule; see :func:`parallelism`.
 
@@ -67,23 +109,42 @@ class PipelineParallel(Parallelism):
                  layers_per_stage: Sequence[int] | None = None,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
                  micro_batch: int | None = None,
-                 act_dtype: torch.dtype = torch.float32) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-        if isinstance(n_micro, bool) or not isinstance(n_micro, int) or n_micro < 1:
-            raise ValueError(f"n_micro={n_micro!r} must be a positive integer")
+                 act_dtype: torch.dtype = torch.float32, chunks: int = 1) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
+        allowed = tuple(TORCH_SCHEDULES) if variant == "torch" else SCHEDULES
+        if schedule not in allowed:
+            raise ValueError(f"schedule={schedule!r} with variant={variant!r}: "
+                             f"allowed {allowed}")
+        if isinstance(n_micro, bool) or not isinstance(n_micro, int) or n_micro < 1:
+            raise ValueError(f"n_micro={n_micro!r} must be a positive integer")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks={chunks!r} must be a positive integer")
+        per_rank = TORCH_SCHEDULES[schedule][1] if variant == "torch" else 1
+        if per_rank is not None and chunks != per_rank:
+            raise ValueError(f"chunks={chunks} with schedule={schedule!r}: a rank "
+                             f"holds exactly {per_rank} stage(s) in that schedule")
+        self.chunks = chunks
         if variant == "tracer" and (micro_batch is None or micro_batch < 1):
             raise ValueError(f"variant='tracer' needs micro_batch >= 1 (rows of its "
                              f"example micro-batch), not {micro_batch!r}")
         self.schedule, self.n_micro, self.variant = schedule, n_micro, variant
         self.group, self.layers_per_stage, self.loss = group, layers_per_stage, loss
         self.micro_batch, self.act_dtype = micro_batch, act_dtype
-        self.name = f"pp/{variant}-{schedule}"
+        self.name = f"pp/{variant}-{schedule}" + (f"-v{chunks}" if chunks > 1 else "")
         self.scale = 1.0
         #: the teaching schedule's last :class:`StepResult` (events, peak in flight)
         self.last_step: StepResult | None = None
+        self._plans: weakref.WeakKeyDictionary[nn.Module, StagePlan] = \
+            weakref.WeakKeyDictionary()
+
+    def plan(self, wrapped: nn.Module) -> StagePlan:
+        """The :class:`StagePlan` of a stage this Parallelism's ``apply`` returned."""
+        try:
+            return self._plans[wrapped]
+        except (KeyError, TypeError):
+            raise ValueError(f"wrapped={type(wrapped).__name__} was not returned by "
+                             f"this {type(self).__name__}.apply") from None
 
     # ---- hooks -------------------------------------------------------------------
 
@@ -108,42 +169,93 @@ class PipelineParallel(Parallelism):
     def apply(self, model: nn.Module) -> nn.Module:
         if not isinstance(model, GPT):
             raise ValueError(f"model={type(model).__name__} must be a dtlib GPT")
-        self.cfg = model.cfg
-        self.shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
-        self.rank, self.n_stages = _in_group(self.group)
+        shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+        rank, n_stages = _in_group(self.group)
         model = self.prepare(model)
-        stages = split_gpt(model, self.n_stages, self.layers_per_stage)
-        self.stage_names = [[n for n, _ in s.named_parameters()] for s in stages]
+        if self.chunks > 1 or self.variant == "torch" and \
+                TORCH_SCHEDULES[self.schedule][1] != 1:
+            return self._torch_stages(model, shapes, rank, n_stages)
+        stages = split_gpt(model, n_stages, self.layers_per_stage)
+        plan = StagePlan(model.cfg, shapes, rank, n_stages,
+                         [[n for n, _ in s.named_parameters()] for s in stages])
         if self.variant == "ours":
-            return self.wrap_stage(stages[self.rank])
-        return self._torch_stage(model, stages)
+            stage = self.wrap_stage(stages[rank])
+        else:
+            stage = self._torch_stage(model, stages, plan)
+        self._plans[stage] = plan
+        return stage
 
-    def _torch_stage(self, model: GPT, stages: list[nn.Module]) -> nn.Module:
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                                   ScheduleGPipe, SplitPoint, pipeline)
+    def _torch_schedule_class(self) -> Any:
+        import torch.distributed.pipelining as pipelining
 
+        name = TORCH_SCHEDULES[self.schedule][0]
+        cls = getattr(pipelining, name, None)
+        if cls is None:
+            raise ValueError(f"schedule={self.schedule!r}: torch {torch.__version__} "
+                             f"has no torch.distributed.pipelining.{name}")
+        return cls
+
+    def _loss_of_micro_batch(self) -> Callable[[torch.Tensor, torch.Tensor],
+                                               torch.Tensor]:
+        def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            # our 1/m on the loss; torch's own 1/m (scale_grads, torch >= 2.7) off
+            return self.loss(out, tgt) * (self.scale / self.n_micro)
+        return loss_fn
+
+    def _schedule(self, cls: Any, stages: Any) -> Any:
+        kwargs = {"scale_grads": False} if "scale_grads" in \
+            inspect.signature(cls.__init__).parameters else {}
+        return cls(stages, self.n_micro, loss_fn=self._loss_of_micro_batch(), **kwargs)
+
+    def _torch_stages(self, model: GPT, shapes: dict[str, Any], rank: int,
+                      n_ranks: int) -> nn.Module:
+        """A multi-stage schedule: the model cut into ``n_ranks * chunks`` stages,
+        this rank's in a :class:`RankStages`, each in a ``PipelineStage``."""
+        from torch.distributed.pipelining import PipelineStage
+
+        cls = self._torch_schedule_class()
+        placement = TORCH_SCHEDULES[self.schedule][2]
+        total = n_ranks * self.chunks
+        if self.schedule == "dualpipev" and self.n_micro < total:
+            raise ValueError(f"n_micro={self.n_micro} with schedule='dualpipev' on "
+                             f"{n_ranks} ranks: needs at least {total} micro-batches "
+                             "(one per stage)")
+        stages = split_gpt(model, total, self.layers_per_stage)
+        held = [stages_of_rank(r, n_ranks, self.chunks, placement)
+                for r in range(n_ranks)]
+        names = [[n for n, _ in RankStages([stages[i] for i in h]).named_parameters()]
+                 for h in held]
+        plan = StagePlan(model.cfg, shapes, rank, n_ranks, names)
+        mine = [self.wrap_stage(stages[i]) for i in held[rank]]
         device = world().device
+        pstages = [PipelineStage(st, i, total, device, group=self.group)
+                   for st, i in zip(mine, held[rank])]
+        plan.torch_schedule = self._schedule(cls, pstages)
+        plan.first = 0 in held[rank]
+        plan.last_rank = next(r for r, h in enumerate(held) if total - 1 in h)
+        wrapped = RankStages(mine)
+        self._plans[wrapped] = plan
+        return wrapped
+
+    def _torch_stage(self, model: GPT, stages: list[nn.Module], plan: StagePlan
+                     ) -> nn.Module:
+        from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+
+        device, rank, n_stages = world().device, plan.rank, plan.n_stages
         if self.variant == "torch":
-            stage = self.wrap_stage(stages[self.rank])
-            pstage = PipelineStage(stage, self.rank, self.n_stages, device,
-                                   group=self.group)
+            stage = self.wrap_stage(stages[rank])
+            pstage = PipelineStage(stage, rank, n_stages, device, group=self.group)
         else:  # the tracer cuts before the blocks where our split starts a stage
-            example = torch.zeros(self.micro_batch, self.cfg.seq_len,
+            example = torch.zeros(self.micro_batch, plan.cfg.seq_len,
                                   dtype=torch.long, device=device)
             spec = {f"blocks.{s.block_range[0]}": SplitPoint.BEGINNING
                     for s in stages[1:]}
             pstage = pipeline(model, mb_args=(example,), split_spec=spec
-                              ).build_stage(self.rank, device, group=self.group)
+                              ).build_stage(rank, device, group=self.group)
             stage = pstage.submod
 
-        def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-            # our 1/m on the loss; torch's own 1/m (scale_grads, torch >= 2.7) off
-            return self.loss(out, tgt) * (self.scale / self.n_micro)
-
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule]
-        kwargs = {"scale_grads": False} if "scale_grads" in \
-            inspect.signature(cls.__init__).parameters else {}
-        self.torch_schedule = cls(pstage, self.n_micro, loss_fn=loss_fn, **kwargs)
+        plan.torch_schedule = self._schedule(self._torch_schedule_class(), pstage)
+        plan.first, plan.last_rank = plan.rank == 0, plan.n_stages - 1
         return stage
 
     def check_accumulation(self, micro_batches: int) -> None:
@@ -165,10 +277,12 @@ class PipelineParallel(Parallelism):
         if scaler is not None:
             raise ValueError("scaler: the pipeline here takes no GradScaler")
         idx, targets = batch
+        plan = self.plan(wrapped)
         self.scale = scale
-        last = self.rank == self.n_stages - 1
+        last = plan.rank == (plan.last_rank if self.variant != "ours"
+                             else plan.n_stages - 1)
         if self.variant == "ours":
-            shape = (idx.shape[0] // self.n_micro, idx.shape[1], self.cfg.hidden)
+            shape = (idx.shape[0] // self.n_micro, idx.shape[1], plan.cfg.hidden)
             res = pipeline_step(wrapped, idx, targets, n_microbatches=self.n_micro,
                                 act_shape=shape, loss_fn=self._scaled,
                                 schedule=self.schedule, group=self.group,
@@ -176,16 +290,13 @@ class PipelineParallel(Parallelism):
             self.last_step = res
             return torch.tensor(res.loss / scale, device=idx.device)
         losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.torch_schedule.step(idx)
-        elif last:
-            self.torch_schedule.step(target=targets, losses=losses)
-        else:
-            self.torch_schedule.step()
+        args = (idx,) if plan.first else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
+        plan.torch_schedule.step(*args, **kwargs)
         loss = torch.stack(losses).sum().detach() / scale if last else \
             torch.zeros((), device=idx.device)
-        if self.n_stages > 1:  # every stage reports the loss the last one computed
-            dist.broadcast(loss, src=self.peer(self.n_stages - 1), group=self.group)
+        if plan.n_stages > 1:  # every stage reports the loss the last one computed
+            dist.broadcast(loss, src=self.peer(plan.last_rank), group=self.group)
         return loss
 
     def _scaled(self, out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -197,20 +308,21 @@ class PipelineParallel(Parallelism):
         """Every stage's tensors on every rank of the pipeline, by the model's names:
         each stage broadcasts its own, one tensor at a time (a name without a
         gradient on its stage is left out)."""
+        plan = self.plan(wrapped)
         own = self.stage_state(wrapped, grads)
-        if self.n_stages == 1:
+        if plan.n_stages == 1:
             return own
         device = world().device
         out: dict[str, torch.Tensor] = {}
-        for s, names in enumerate(self.stage_names):
-            src, mine = self.peer(s), s == self.rank
+        for s, names in enumerate(plan.stage_names):
+            src, mine = self.peer(s), s == plan.rank
             present = torch.tensor([mine and n in own for n in names],
                                    dtype=torch.uint8, device=device)
             dist.broadcast(present, src=src, group=self.group)
             for n, here in zip(names, present.tolist()):
                 if not here:
                     continue
-                shape, dtype = self.shapes[n]
+                shape, dtype = plan.shapes[n]
                 buf = own[n].to(device, dtype) if mine else \
                     torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(buf, src=src, group=self.group)
@@ -220,7 +332,7 @@ class PipelineParallel(Parallelism):
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage: each stage's sum of squares, summed
         over the pipeline's group."""
-        if self.n_stages == 1:
+        if self.plan(wrapped).n_stages == 1:
             return clip_by_global_norm(list(wrapped.parameters()), max_norm)
         stages = self.group if self.group is not None else dist.group.WORLD
         return clip_by_global_norm(list(wrapped.parameters()), max_norm, stages)
@@ -230,11 +342,15 @@ def parallelism(schedule: str = "1f1b", n_micro: int = 1, *, variant: str = "our
                 group: Any = None, layers_per_stage: Sequence[int] | None = None,
                 loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
                 micro_batch: int | None = None,
-                act_dtype: torch.dtype = torch.float32) -> PipelineParallel:
+                act_dtype: torch.dtype = torch.float32, chunks: int = 1
+                ) -> PipelineParallel:
     """Pipeline parallelism for :func:`~dtlib.models.run.run_steps`.
 
     Args:
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"`` or ``"1f1b"``; with ``variant="torch"`` also torch's
+            multi-stage schedules (:data:`TORCH_SCHEDULES`): ``"interleaved-1f1b"``,
+            ``"interleaved-zero-bubble"`` (``chunks`` stages per rank, round-robin),
+            ``"zb-v"`` and ``"dualpipev"`` (two stages per rank in a V).
         n_micro: micro-batches per step ``m`` (must divide the batch).
         variant: ``"ours"`` (:func:`pipeline_step`), ``"torch"`` (our stage in
             ``torch.distributed.pipelining``'s ``PipelineStage`` and its schedule)
@@ -242,11 +358,13 @@ def parallelism(schedule: str = "1f1b", n_micro: int = 1, *, variant: str = "our
             balanced split does).
         group: the pipeline's process group; the stage index is the rank in it
             (None: the whole world).
-        layers_per_stage: blocks per stage (default: balanced).
+        layers_per_stage: blocks per stage, one entry per (virtual) stage
+            (default: balanced).
         loss: ``loss(logits, targets)`` on the last stage (default: mean
             cross-entropy, the GPT's own loss).
         micro_batch: rows of one micro-batch (``"tracer"`` only: its example).
         act_dtype: dtype of the activations sent between stages (``"ours"``).
+        chunks: stages per rank (``v``), for the multi-stage schedules.
     Returns:
         A :class:`PipelineParallel`; ``run_steps(par, build_gpt(cfg), ...)`` trains
         this rank's stage on the whole batch (every stage gets the batch: the first
@@ -256,4 +374,5 @@ def parallelism(schedule: str = "1f1b", n_micro: int = 1, *, variant: str = "our
     """
     return PipelineParallel(schedule, n_micro, variant=variant, group=group,
                             layers_per_stage=layers_per_stage, loss=loss,
-                            micro_batch=micro_batch, act_dtype=act_dtype)
+                            micro_batch=micro_batch, act_dtype=act_dtype,
+                            chunks=chunks)

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from dtlib.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPTStage", "split_gpt", "balanced_layers", "balance", "gpt_layer_costs",
+__all__ = ["GPTStage", "RankStages", "split_gpt", "balanced_layers", "balance", "gpt_layer_costs",
            "stage_costs", "layers_from_split_points"]
 
 
@@ -67,6 +67,32 @@ class GPTStage(nn.Module):
         if self.is_last:  # (b, s, h) -> (b, s, V)
             x = self.head(self.ln_f(x))
         return x
+
+
+class RankStages(nn.Module):
+    """The stages one rank holds when a schedule gives it several (interleaved:
+    stages ``r, r + p, ...``; V-shaped: ``r`` and ``2p - 1 - r``), as one module
+    whose ``named_parameters()`` use the whole model's names, like one
+    :class:`GPTStage`'s. The schedule runs the stages themselves (``stages``); this
+    module only holds them for the optimizer, clipping and comparison.
+
+    Taught in: Chapter 12, "Interleaving the pipeline".
+    """
+
+    def __init__(self, stages: Sequence[GPTStage]) -> None:
+        super().__init__()
+        self.stages = list(stages)  # plain list: not registered twice
+        self.blocks = nn.ModuleDict()
+        for st in stages:
+            if st.is_first:
+                self.tok_emb, self.pos_emb, self.drop = st.tok_emb, st.pos_emb, st.drop
+            self.blocks.update(st.blocks)
+            if st.is_last:
+                self.ln_f, self.head = st.ln_f, st.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("RankStages holds a rank's stages for the optimizer; the "
+                           "schedule runs each stage in its own turn")
 
 
 def balanced_layers(n_layers: int, n_stages: int) -> list[int]:

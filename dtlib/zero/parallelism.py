@@ -13,6 +13,7 @@ Taught in: Chapter 4, "Does it train the same model?".
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, ContextManager
 
 import torch
@@ -62,7 +63,21 @@ class ZeroParallelism(_DataParallelRows):
         self.stage, self.group, self.unit_modules = stage, group, unit_modules
         self.mp_policy = mp_policy
         self.name = f"zero-{stage}"
-        self.optimizer: Any = None
+        # stages 1-2 keep gradients and clip in the optimizer: the one built for
+        # each model, found by the model (a second model gets its own)
+        self._optimizers: weakref.WeakKeyDictionary[nn.Module, ShardedOptimizer] = \
+            weakref.WeakKeyDictionary()
+
+    def optimizer_of(self, wrapped: nn.Module) -> ShardedOptimizer:
+        """Stages 1-2: the :class:`ShardedOptimizer` ``make_optimizer`` built for
+        ``wrapped`` (it holds the reduced gradient shards)."""
+        try:
+            return self._optimizers[wrapped]
+        except KeyError:
+            raise ValueError(
+                f"wrapped={type(wrapped).__name__}: no ShardedOptimizer was made for "
+                f"it by this zero-{self.stage} Parallelism (call make_optimizer "
+                "first; its gradients live there)") from None
 
     def apply(self, model: nn.Module) -> nn.Module:
         if self.stage < 3:
@@ -76,20 +91,20 @@ class ZeroParallelism(_DataParallelRows):
         the wrapper's shards. ``params``: parameter groups of ``wrapped`` (default:
         all its parameters)."""
         params = wrapped.parameters() if params is None else params
-        if self.stage < 3:
-            self.optimizer = ShardedOptimizer(
-                params, optimizer_class, stage=self.stage, group=self.group,
-                module=wrapped, unit_modules=self.unit_modules, **kwargs)
-        else:
-            self.optimizer = optimizer_class(params, **kwargs)
-        return self.optimizer
+        if self.stage == 3:
+            return optimizer_class(params, **kwargs)
+        opt = ShardedOptimizer(params, optimizer_class, stage=self.stage,
+                               group=self.group, module=wrapped,
+                               unit_modules=self.unit_modules, **kwargs)
+        self._optimizers[wrapped] = opt
+        return opt
 
     def full_state(self, wrapped: nn.Module, grads: bool = False
                    ) -> dict[str, torch.Tensor]:
         if self.stage == 3:
             out = wrapped.full_gradients() if grads else wrapped.full_parameters()
         elif grads:
-            out = self.optimizer.full_gradients()
+            out = self.optimizer_of(wrapped).full_gradients()
         else:
             return tensors_by_name(wrapped)
         return {n: t.cpu() for n, t in out.items()}
@@ -100,7 +115,7 @@ class ZeroParallelism(_DataParallelRows):
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
-        clipper = wrapped if self.stage == 3 else self.optimizer
+        clipper = wrapped if self.stage == 3 else self.optimizer_of(wrapped)
         return clipper.clip_grad_norm_(max_norm)
 
     def state_bytes(self, wrapped: nn.Module, optimizer: Any) -> dict[str, int]:

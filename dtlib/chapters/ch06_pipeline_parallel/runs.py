@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches, reference_gpt_run
-from dtlib.models.run import RunConfig, run_steps
+from dtlib.models.run import RunConfig, TrainState, run_steps
 from dtlib.models.sizes import size
 from dtlib.pipeline_parallel import lm_loss, parallelism
 from dtlib.pipeline_parallel.schedules import idle_fractions, pipeline_step
@@ -48,7 +48,7 @@ VARIANTS = ("ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b", "tracer-gpip
 
 def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
                    variant: str = "ours-1f1b", group: dist.ProcessGroup | None = None,
-                   loss: Any = lm_loss) -> dict[str, Any]:
+                   loss: Any = lm_loss, chunks: int = 1) -> dict[str, Any]:
     """On every rank of ``group``: train this rank's stage with one variant.
 
     The stage index is the rank in ``group`` (default: the whole world). Step ``k``
@@ -58,6 +58,7 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
         gpt: the GPT's fields (:data:`PP_GPT`).
         variant: one of :data:`VARIANTS`, ``"variant-schedule"``.
         loss: ``loss(logits, targets)`` on the last stage (a test plants defects).
+        chunks: stages per rank, for torch's multi-stage schedules (Chapter 12).
     Returns:
         ``losses``, every stage's ``grads`` (step 0) and ``params`` (after ``steps``)
         by the model's names, this stage's ``names``, and for the teaching schedules
@@ -65,18 +66,20 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
 
     Taught in: Chapter 6, "Is it the same training?".
     """
-    kind, schedule = variant.split("-")
+    kind, schedule = variant.split("-", 1)
     cfg = GPTConfig(**gpt)
     device = world().device
     par = parallelism(schedule, n_microbatches, variant=kind, group=group,
-                      loss=loss, micro_batch=batch // n_microbatches)
+                      loss=loss, micro_batch=batch // n_microbatches,
+                      chunks=chunks)
     opt = dict(OPTIMIZER)
     config = RunConfig(steps, optimizer_class=opt.pop("optimizer_class"),
                        optimizer_kwargs=opt)
-    res = run_steps(par, build_gpt(cfg, seed=0).to(device),
-                    gpt_batches(cfg, batch, device), config)
+    stage = par.apply(build_gpt(cfg, seed=0).to(device))
+    res = run_steps(par, None, gpt_batches(cfg, batch, device), config,
+                    TrainState(stage))
     out = {"losses": res.losses, "grads": res.grads, "params": res.params,
-           "names": par.stage_names[par.rank]}
+           "names": par.plan(stage).stage_names[par.plan(stage).rank]}
     if par.last_step is not None:
         out["peak_in_flight"] = par.last_step.peak_in_flight
         out["events"] = par.last_step.events
@@ -122,7 +125,7 @@ def compare_all(gpt: dict = PP_GPT, batch: int = 8, n_microbatches: int = 4,
     out: dict[str, Any] = {"ref_losses": ref["losses"]}
     teaching: dict[str, dict[str, torch.Tensor]] = {}
     for variant in variants:
-        kind, schedule = variant.split("-")
+        kind, schedule = variant.split("-", 1)
         r = train_pipeline(gpt, batch, n_microbatches, steps, variant)
         names = r["names"]
         out[variant] = {

@@ -77,7 +77,8 @@ def train(par: Parallelism, cfg: GPTConfig, batch: int, steps: int,
     Returns:
         ``losses``, ``grads`` (first step), ``params`` (after the last step), full
         tensors by name; ``comms``: step :data:`COMMS_STEP`'s collectives;
-        ``local_numel``: parameter elements this rank stores.
+        ``local_numel``: parameter elements this rank stores; ``local_names``: the
+        names of the parameters this rank's module holds (a stage's own).
 
     Taught in: Chapter 11, "Two dimensions, ours and torch's".
     """
@@ -91,7 +92,8 @@ def train(par: Parallelism, cfg: GPTConfig, batch: int, steps: int,
                     TrainState(wrapped), [CountComms(COMMS_STEP + 1)])
     return {"losses": res.losses, "grads": res.grads, "params": res.params,
             "comms": _records(res.comms),
-            "local_numel": sum(local_tensor(p).numel() for p in wrapped.parameters())}
+            "local_numel": sum(local_tensor(p).numel() for p in wrapped.parameters()),
+            "local_names": [n for n, _ in wrapped.named_parameters()]}
 
 
 def _mesh(sizes: tuple[int, int], names: tuple[str, str]) -> Any:
@@ -201,7 +203,7 @@ def train_3d(dp: int, pp: int, tp: int, cfg: GPTConfig = PIPELINE, batch: int = 
     par = parallelism("pp_dp", grid=grid, schedule="1f1b", n_micro=n_microbatches)
     out = train(par, cfg, batch, steps, lr, seed)
     out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
-    out["stage_names"] = par.stage_names[par.rank]
+    out["stage_names"] = out["local_names"]
     return out
 
 

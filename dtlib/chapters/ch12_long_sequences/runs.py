@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dtlib.chapters.ch06_pipeline_parallel.runs import train_pipeline
 from dtlib.collectives.accounting import count_comms
 from dtlib.context_parallel import cp_shard, cp_unshard, ring_attention
 from dtlib.context_parallel import parallelism as cp_parallelism
@@ -28,6 +29,7 @@ from dtlib.memory.measure import measure_activations
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import gpt_batches, grads_of
 from dtlib.models.run import RunConfig, RunResult, run_steps
+from dtlib.pipeline_parallel.parallelism import TORCH_SCHEDULES
 from dtlib.runtime import dist as ddist
 from dtlib.tensor_parallel.gpt import full_tensors, tensor_parallelize
 from dtlib.tensor_parallel.mappings import tp_rank, tp_size
@@ -260,72 +262,28 @@ def tp_and_sp_block(cfg: GPTConfig, batch: int, seed: int = 0) -> dict[str, Any]
 def train_interleaved(gpt: dict, batch: int, n_microbatches: int, steps: int,
                       n_chunks: int, schedule: str = "interleaved-1f1b"
                       ) -> dict[str, Any]:
-    """One rank of Chapter 6's pipeline training with an interleaved torch schedule.
+    """One rank of Chapter 6's pipeline training with a multi-stage torch schedule.
 
-    The GPT is cut into ``p * v`` stages (``v = n_chunks``); rank ``r`` holds the
-    virtual stages ``r, r + p, ..., r + (v - 1) p``, each wrapped in a
-    ``PipelineStage``, and ``ScheduleInterleaved1F1B`` (or
-    ``ScheduleInterleavedZeroBubble``) runs them. The loss divides by ``m`` and
-    ``scale_grads`` is off, as in Chapter 6's torch path.
+    The GPT is cut into ``p * v`` stages (``v = n_chunks``); with an interleaved
+    schedule rank ``r`` holds the virtual stages ``r, r + p, ..., r + (v - 1) p``,
+    with a V-shaped one (``"zb-v"``, ``"dualpipev"``, ``v = 2``) stages ``r`` and
+    ``2p - 1 - r``, each wrapped in a ``PipelineStage``; torch's schedule runs them
+    inside the one loop (:func:`dtlib.pipeline_parallel.parallelism` with
+    ``chunks``). The loss divides by ``m`` and ``scale_grads`` is off, as in
+    Chapter 6's torch path.
 
     Args:
         gpt: the GPT's configuration as a dict (Chapter 6's ``PP_GPT``).
         batch, n_microbatches, steps: as Chapter 6's ``train_pipeline``.
         n_chunks: model chunks per rank, ``v``.
-        schedule: ``"interleaved-1f1b"`` or ``"interleaved-zero-bubble"``.
+        schedule: a multi-stage name of
+            :data:`~dtlib.pipeline_parallel.parallelism.TORCH_SCHEDULES`.
     Returns:
-        ``losses``, this rank's ``grads`` (step 0) and ``params`` (after ``steps``),
-        by the whole model's parameter names.
+        ``losses``, every stage's ``grads`` (step 0) and ``params`` (after
+        ``steps``), by the whole model's parameter names.
     """
-    import inspect
-
-    import torch.distributed as dist
-    from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
-                                               ScheduleInterleavedZeroBubble)
-
-    from dtlib.chapters.ch06_pipeline_parallel.runs import OPTIMIZER, lm_loss
-    from dtlib.pipeline_parallel.split import split_gpt
-
-    classes = {"interleaved-1f1b": ScheduleInterleaved1F1B,
-               "interleaved-zero-bubble": ScheduleInterleavedZeroBubble}
-    if schedule not in classes:
+    if schedule not in TORCH_SCHEDULES or TORCH_SCHEDULES[schedule][1] == 1:
         raise ValueError(f"schedule={schedule!r} is not allowed; allowed: "
-                         f"{sorted(classes)}")
-    cfg = GPTConfig(**gpt)
-    w = ddist.world()
-    p, v = w.world_size, n_chunks
-    model = build_gpt(cfg, seed=0).to(w.device)
-    stages = split_gpt(model, p * v)
-    mine = [stages[w.rank + k * p] for k in range(v)]  # virtual stages r, r+p, ...
-    pstages = [PipelineStage(mod, w.rank + k * p, p * v, w.device)
-               for k, mod in enumerate(mine)]
-
-    def loss_fn(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        return lm_loss(out, tgt) / n_microbatches
-
-    cls = classes[schedule]
-    kwargs = {"scale_grads": False} if "scale_grads" in \
-        inspect.signature(cls.__init__).parameters else {}
-    sched = cls(pstages, n_microbatches, loss_fn=loss_fn, **kwargs)
-    params = [q for mod in mine for q in mod.parameters()]
-    kwargs_opt = dict(OPTIMIZER)  # Chapter 6's optimizer (SGD with momentum)
-    opt = kwargs_opt.pop("optimizer_class")(params, **kwargs_opt)
-    named = {n: q for mod in mine for n, q in mod.named_parameters()}
-    losses, grads = [], {}
-    first, last = w.rank == 0, w.rank == p - 1  # virtual stages 0 and p*v - 1
-    for step in range(steps):
-        # Chapter 6's reference batches: step k trains on token_batch(seed=k)
-        idx, tgt = token_batch(cfg, batch, seed=step, device=w.device)
-        opt.zero_grad()
-        mb_losses: list[torch.Tensor] = []
-        kw: dict[str, Any] = {"target": tgt, "losses": mb_losses} if last else {}
-        sched.step(idx, **kw) if first else sched.step(**kw)
-        loss = torch.stack(mb_losses).sum().detach() if last else \
-            torch.zeros((), device=w.device)
-        dist.broadcast(loss, src=p - 1)
-        if step == 0:
-            grads = {n: q.grad.detach().cpu().clone() for n, q in named.items()}
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads,
-            "params": {n: q.detach().cpu().clone() for n, q in named.items()}}
+                         f"{sorted(s for s, v in TORCH_SCHEDULES.items() if v[1] != 1)}")
+    return train_pipeline(gpt, batch, n_microbatches, steps, f"torch-{schedule}",
+                          chunks=n_chunks)
