@@ -27,6 +27,7 @@ Rules:
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 from pathlib import Path
 
@@ -199,6 +200,11 @@ def test_packages_state_their_public_api() -> None:
 #: Calls that run a backward pass inside a loop that also steps an optimizer.
 BACKWARD_CALLS = {"backward", "accumulate_gradients", "forward_backward",
                   "pipeline_step", "step_fn"}
+#: Text that marks an object whose own ``step`` runs forward and backward (a
+#: ``torch.distributed.pipelining`` schedule) or whose ``backward`` and ``step`` train
+#: (DeepSpeed's engine): a loop over such a ``step`` and an optimizer's ``step`` is a
+#: training loop whatever the method names say.
+TRAINER_MARKS = ("Schedule", "deepspeed", "initialize(")
 #: Where a loop over backward and step is allowed: the loop itself, and the seed's
 #: own loops reproduced as they were written (``chapters/*/seed.py``).
 LOOP_HOME = "dtlib.models.run"
@@ -214,8 +220,36 @@ def _called(node: ast.AST) -> set[str]:
     return names
 
 
+def _trainers(fn: ast.AST) -> set[str]:
+    """Names bound in ``fn`` to a schedule or an engine, followed through the names
+    they are built from (``classes = {...: ScheduleX}; cls = classes[k]; s = cls()``)."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            text = ast.unparse(node.value)
+            for target in node.targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Name):
+                        bound[t.id] = bound.get(t.id, "") + " " + text
+    marked = {n for n, text in bound.items() if any(m in text for m in TRAINER_MARKS)}
+    while True:
+        more = {n for n, text in bound.items() if n not in marked
+                and any(re.search(rf"\b{re.escape(m)}\b", text) for m in marked)}
+        if not more:
+            return marked
+        marked |= more
+
+
+def _step_receivers(loop: ast.AST) -> list[str]:
+    return [ast.unparse(c.func.value) for c in ast.walk(loop)
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+            and c.func.attr == "step"]
+
+
 def training_loops(root: Path = ROOT) -> list[str]:
-    """Every function outside the one loop that loops over backward and step."""
+    """Every function outside the one loop that loops over backward and step: by
+    name (``backward``, ``forward_backward``, ...) or by what the object does (a
+    pipelining schedule's ``step`` beside another ``step``)."""
     found = []
     for path in sorted(root.rglob("*.py")):
         mod = module_name(path, root)
@@ -224,12 +258,48 @@ def training_loops(root: Path = ROOT) -> list[str]:
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
+            trainers = _trainers(fn)
             for loop in ast.walk(fn):
                 if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
                     calls = _called(loop)
-                    if "step" in calls and calls & BACKWARD_CALLS:
+                    steps = _step_receivers(loop)
+                    by_schedule = any(r in trainers for r in steps) and len(steps) > 1
+                    if by_schedule or "step" in calls and calls & BACKWARD_CALLS:
                         found.append(f"{mod}.{fn.name} (line {loop.lineno})")
                         break
+    return found
+
+
+#: How a page's rank entry's docstring begins: what each rank (or the lone
+#: reference process) runs. bench and exercises launch these and nothing else of
+#: a page: a constant, a class or a helper they need belongs in the package.
+RANK_ENTRY = ("On every rank", "One rank", "One process")
+
+
+def page_imports(root: Path = ROOT) -> list[str]:
+    """Names bench and exercises import from page code that are not rank entries."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        mod = module_name(path, root)
+        if _parts(mod)[:1] not in (["bench"], ["exercises"]):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith("dtlib.chapters.")):
+                continue
+            src = root.parent.joinpath(*node.module.split(".")).with_suffix(".py")
+            defs = {d.name: d for d in ast.parse(src.read_text()).body
+                    if isinstance(d, ast.FunctionDef)} if src.exists() else {}
+            for a in node.names:
+                fn = defs.get(a.name)
+                if fn is None:
+                    found.append(f"{mod} imports {node.module}.{a.name}: not a function "
+                                 "defined there (a constant, class or re-export "
+                                 "belongs in the package that page uses)")
+                elif not (ast.get_docstring(fn) or "").startswith(RANK_ENTRY):
+                    found.append(f"{mod} imports {node.module}.{a.name}: not a rank "
+                                 f"entry (its docstring begins with none of "
+                                 f"{RANK_ENTRY}); move what it does into the package")
     return found
 
 
@@ -262,6 +332,45 @@ def test_one_loop_rule_catches_a_planted_loop(tmp_path: Path) -> None:
                 "        model(x).sum().backward()\n"
                 "        opt.step()\n")
     assert any(v.startswith("dtlib.zero.units.train") for v in training_loops(root))
+
+
+def test_one_loop_rule_sees_a_schedule_stepping_beside_an_optimizer(tmp_path: Path
+                                                                    ) -> None:
+    """A pipelining schedule's ``step`` runs backward under another name (Chapter
+    12's interleaved run was once such a loop); the rule follows the object."""
+    root = _copy(tmp_path)
+    with open(root / "zero" / "units.py", "a") as f:
+        f.write("\n\ndef train(stages, opt, batches):\n"
+                "    classes = {'i': ScheduleInterleaved1F1B}\n"
+                "    cls = classes['i']\n"
+                "    sched = cls(stages, 4)\n"
+                "    for x in batches:\n"
+                "        sched.step(x)\n"
+                "        opt.step()\n"
+                "\n\ndef lr_curve(opt, sched, n):\n"
+                "    for _ in range(n):\n"
+                "        opt.step()\n"
+                "        sched.step()\n")
+    found = training_loops(root)
+    assert any(v.startswith("dtlib.zero.units.train ") for v in found)
+    assert not any(v.startswith("dtlib.zero.units.lr_curve") for v in found)
+
+
+def test_bench_and_exercises_use_only_a_pages_rank_entries() -> None:
+    found = page_imports()
+    assert not found, "\n".join(found)
+
+
+def test_page_import_rule_catches_a_constant_and_a_helper(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    with open(root / "exercises" / "checkpoint.py", "a") as f:
+        f.write("\nfrom dtlib.chapters.ch09_checkpointing.runs import seed_save_name\n"
+                "from dtlib.chapters.ch09_checkpointing.runs import RUN_CFG\n"
+                "from dtlib.chapters.ch09_checkpointing.runs import ddp_resume_proof\n")
+    found = page_imports(root)
+    assert any("seed_save_name: not a rank entry" in v for v in found)
+    assert any("RUN_CFG: not a function defined there" in v for v in found)
+    assert not any("ddp_resume_proof" in v for v in found)
 
 
 def test_no_private_imports() -> None:

@@ -287,7 +287,7 @@ def test_a_collective_no_line_fits_is_priced_by_its_measured_points():
 
 def test_machine_from_keeps_trusted_fits_and_the_points_of_the_rest():
     from dtlib.planner.drift import machine_at
-    from dtlib.chapters.ch13_time.machine import machine_from
+    from dtlib.planner.measure import machine_from
 
     measured = {"world_size": 4, "flops_alone": 1e9, "flops_roof": 1e9,
                 "flops_model": 1e9, "flops_shared": 4e8,
@@ -572,3 +572,18 @@ def test_full_recomputation_adds_one_forward_of_the_layers():
     m = machine(alpha_s=0.0, beta_s_per_byte=0.0)
     assert close(predict("ddp/bucketed", full, m, 2).compute_s,
                  full.flops() / 2 / 1e9)
+
+
+def test_the_matmul_rate_is_measured_without_drawing_from_the_callers_generator():
+    """The capstone measures its MFU peak at start-up, also when it resumes: the
+    measurement must leave the global generator where it was."""
+    import torch
+
+    from dtlib.planner.measure import matmul_flops
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    median, best = matmul_flops(32, 32, 32, windows=2, seconds=0.0,
+                                device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert 0 < median <= best

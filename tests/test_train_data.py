@@ -263,7 +263,7 @@ def test_mfu_counts_the_planners_matmuls_plus_six_flops_per_other_parameter():
     from dtlib.memory.formulas import transformer_params
     from dtlib.planner.counts import flops_per_iteration
     from dtlib.planner.specs import ModelSpec
-    from dtlib.train.metrics import flops_per_token, measured_peak_flops
+    from dtlib.train.metrics import flops_per_token
 
     l, h, a, v, s, batch = 12, 768, 12, 50304, 1024, 8
     n = transformer_params(l, h, v, s)
@@ -271,4 +271,3 @@ def test_mfu_counts_the_planners_matmuls_plus_six_flops_per_other_parameter():
     tokens = batch * s
     assert flops_per_token(n, l, s, h) * tokens - planner == 6 * tokens * (
         13 * l * h + s * h)
-    assert measured_peak_flops(torch.device("cpu"), n=64, reps=2) > 0

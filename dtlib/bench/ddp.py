@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dtlib.chapters.ch03_data_parallel.runs import VARIANTS, compare_variants
+from dtlib.chapters.ch03_data_parallel.runs import compare_variants
+from dtlib.data_parallel import VARIANTS
 from dtlib.models.sizes import size
 from dtlib.runtime import launch
 

@@ -28,6 +28,7 @@ Taught in: the README's "On GPUs" section.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dtlib.models.sizes import size
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 
@@ -95,9 +97,10 @@ def collectives_rank() -> dict[str, Any]:
 
 def ddp_rank(steps: int) -> dict[str, Any]:
     """Chapter 3: every DDP variant's losses, step-0 gradients and final parameters."""
-    from dtlib.chapters.ch03_data_parallel.runs import TINY, VARIANTS, train_replica
+    from dtlib.chapters.ch03_data_parallel.runs import train_replica
+    from dtlib.data_parallel import VARIANTS
 
-    return {v: train_replica(TINY, v, 2, steps) for v in VARIANTS}
+    return {v: train_replica(size("tiny"), v, 2, steps) for v in VARIANTS}
 
 
 def zero_rank() -> dict[str, float]:
@@ -111,7 +114,9 @@ def zero_rank() -> dict[str, float]:
 
 def pipeline_rank() -> dict[str, Any]:
     """Chapter 6: teaching GPipe/1F1B and torch's 1F1B against one process."""
-    from dtlib.chapters.ch06_pipeline_parallel.runs import PP_GPT, compare_all
+    from dtlib.chapters.ch06_pipeline_parallel.runs import compare_all
+
+    PP_GPT = dataclasses.asdict(size("pipeline"))  # the chapter's eight blocks
 
     m = 2 * dist.get_world_size()
     out = compare_all(PP_GPT, batch=2 * m, n_microbatches=m, steps=3,
@@ -128,7 +133,6 @@ def experts_rank(moe: Any, steps: int) -> dict[str, Any]:
 
     from dtlib.chapters.ch14_experts.runs import layer_check, train_moe
     from dtlib.expert_parallel import parallelism as ep_parallelism
-    from dtlib.models.sizes import size
 
     n = dist.get_world_size()
     layers = {(k, cf): layer_check(replace(moe, top_k=k, capacity_factor=cf))
@@ -165,10 +169,10 @@ def check_ch2(n: int, timeout: float) -> tuple[bool, str]:
 
 
 def check_ch3(n: int, timeout: float) -> tuple[bool, str]:
-    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_gpt_run
+    from dtlib.models.reference import reference_gpt_run
 
     steps, lr = 3, 1e-3
-    ref = reference_gpt_run(TINY, 2 * n, steps)
+    ref = reference_gpt_run(size("tiny"), 2 * n, steps)
     res = launch.spawn(ddp_rank, n, steps, timeout=timeout, stream=False)
     worst: dict[str, float] = {}
     ok = True
@@ -222,7 +226,6 @@ def check_ch14(n: int, timeout: float) -> tuple[bool, str]:
 
     from dtlib.chapters.ch14_experts.runs import layer_reference, reference_moe_run
     from dtlib.expert_parallel import MoEConfig
-    from dtlib.models.sizes import size
 
     moe, steps = MoEConfig(n_experts=2 * n), 3
     res = launch.spawn(experts_rank, n, moe, steps, timeout=timeout, stream=False)
@@ -348,7 +351,8 @@ def _check_time(strategy: str, n: int, timeout: float) -> tuple[bool, str]:
     import math
 
     from dtlib.bench.time import measure_and_time
-    from dtlib.chapters.ch13_time.runs import compare, machine_from
+    from dtlib.planner.measure import machine_from
+    from dtlib.planner.timing import compare
 
     if n < 2:
         return True, "SKIP: one GPU, no NCCL link to fit"

@@ -27,9 +27,9 @@ import os
 from typing import Any
 
 from dtlib.planner.drift import summarize
-from dtlib.chapters.ch13_time.runs import (BAND, TIME_GPT, compare, machine_from,
-                                           measure_machine, measure_overheads,
-                                           time_strategies)
+from dtlib.planner.measure import machine_from, measure_machine
+from dtlib.planner.timing import (BAND, TIME_GPT, compare, measure_overheads,
+                                  time_strategies)
 from dtlib.planner.step_time import STRATEGIES
 from dtlib.runtime import launch
 

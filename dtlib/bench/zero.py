@@ -27,10 +27,12 @@ from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
 from dtlib.models.run import Parallelism, RunConfig, TrainState, run_steps
-from dtlib.chapters.ch04_zero_fsdp.runs import optimizer_of
+from dtlib.models.optimizers import optimizer_of
 
 #: The GPT trained here: small enough for 4 CPU ranks, every size divisible by 4.
 BENCH_GPT = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=64, n_heads=4)
+#: weights decay, as in chapter 4's runs: a parameter the optimizer skips shows
+WEIGHT_DECAY = 0.1
 TEST_GPT = dict(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=2)
 #: An MLP with 111 parameters (81 + 30): divisible by neither 2 nor 4.
 ODD_MLP = (8, 9, 3)
@@ -82,7 +84,7 @@ def reference_params(model: str = "gpt", steps: int = 5, world_size: int = 1,
     """One process on the whole global batch: what every sharding must match.
 
     Args:
-        optimizer: a key of ``dtlib.chapters.ch04_zero_fsdp.runs.OPTIMIZERS``.
+        optimizer: a key of ``dtlib.models.optimizers.OPTIMIZERS``.
         clip: the gradient-norm clip, or None.
     Returns:
         Parameters by name (CPU) after ``steps`` steps.
@@ -90,7 +92,7 @@ def reference_params(model: str = "gpt", steps: int = 5, world_size: int = 1,
     Taught in: Chapter 4, "Does it train the same model?".
     """
     net, x, y = _model_and_batch(model, gpt, world_size * batch_per_rank, seed)
-    cls, kwargs = optimizer_of(optimizer, lr)
+    cls, kwargs = optimizer_of(optimizer, lr, WEIGHT_DECAY)
     config = RunConfig(steps, optimizer_class=cls, optimizer_kwargs=kwargs,
                        loss_fn=LOSSES[model], max_grad_norm=clip, record_grads=False)
     return run_steps(Parallelism(), net, lambda step: (x, y), config).params
@@ -133,7 +135,7 @@ def train_rank(variant: str = "zero", stage: int = 3, model: str = "gpt",
         bf16: FSDP2 only: bf16 parameters in compute, fp32 reduction.
         compare: also compare with the single-process run (``reference``, or
             :func:`reference_params` trained here).
-        optimizer: a key of ``dtlib.chapters.ch04_zero_fsdp.runs.OPTIMIZERS``.
+        optimizer: a key of ``dtlib.models.optimizers.OPTIMIZERS``.
         keep_params: return the full parameters too (``"params"``, CPU).
     Returns:
         A dict: n_params, state (bytes by role, after the last step, before
@@ -148,7 +150,7 @@ def train_rank(variant: str = "zero", stage: int = 3, model: str = "gpt",
 
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} not allowed; allowed: {VARIANTS}")
-    cls, kwargs = optimizer_of(optimizer, lr)
+    cls, kwargs = optimizer_of(optimizer, lr, WEIGHT_DECAY)
     world_size = dist.get_world_size()
     net, x, y = _model_and_batch(model, gpt, world_size * batch_per_rank, seed)
     device = world().device  # cpu under gloo, this rank's GPU under NCCL

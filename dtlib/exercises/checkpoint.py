@@ -16,8 +16,8 @@ from unittest import mock
 import torch
 
 from dtlib.checkpoint.state import STATE_KEYS
-from dtlib.chapters.ch09_checkpointing.runs import (CrashDuringSave, SimulatedCrash,
-                                                    train_run)
+from dtlib.checkpoint.drill import (CrashDuringSave, SimulatedCrash, fsdp_model,
+                                    fsdp_train, train_run)
 from dtlib.exercises import WrongAnswer, checker, passed
 
 _STRAIGHT: dict[int, torch.Tensor] = {}
@@ -27,7 +27,7 @@ _STRAIGHT: dict[int, torch.Tensor] = {}
 def check_resume_keys(keys: Iterable[str], total_steps: int = 10,
                       stop_at: int = 3) -> None:
     """Check that restoring only ``keys`` (from :data:`dtlib.checkpoint.STATE_KEYS`)
-    resumes :func:`dtlib.chapters.ch09_checkpointing.runs.train_run` bit for bit.
+    resumes :func:`dtlib.checkpoint.drill.train_run` bit for bit.
 
     The run is trained ``total_steps`` straight, and again with a crash after
     ``stop_at`` steps and a resume that restores ``keys`` only. The crash comes
@@ -209,8 +209,6 @@ def _sharded_resume_on_rank(answers: list[tuple[Callable[..., Any], ...]],
     """On every rank: the uninterrupted run, then per answer a run saved by the
     learner's ``save`` after ``stop`` steps, loaded by its ``load`` into a fresh job
     with other weights and an empty optimizer, and trained to ``total``."""
-    from dtlib.chapters.ch09_checkpointing.sharded_runs import fsdp_model, fsdp_train
-
     par, model, opt = fsdp_model(seed=0)
     fsdp_train(par, model, opt, 0, total)
     straight = _full_params(model)

@@ -19,8 +19,12 @@ import torch
 import torch.distributed as dist
 
 from dtlib.collectives.accounting import count_comms
+from dtlib.models.sizes import size
 from dtlib.runtime import diagnose, launch
 from dtlib.exercises import WrongAnswer, checker, passed
+
+#: the book's tiny GPT, the one chapter 3's runs train
+TINY = size("tiny")
 
 MICRO_BATCH = 2
 BUCKET_CAP_MB = 0.02  # several buckets for the tiny GPT
@@ -81,7 +85,7 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from dtlib.chapters.ch03_data_parallel.runs import TINY, grads_of
+    from dtlib.models.reference import grads_of
     from dtlib.models.gpt import build_gpt, token_batch
 
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
@@ -159,7 +163,7 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
 def _run_hooks(hooks: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """On each rank: every hook in turn, each in a DDP of its own, beside this rank's
     own gradient without DDP (what a hook that does not reduce would leave)."""
-    from dtlib.chapters.ch03_data_parallel.runs import TINY, grads_of
+    from dtlib.models.reference import grads_of
     from dtlib.models.gpt import build_gpt, token_batch
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -212,8 +216,7 @@ def _judge(res: dict[str, Any], rank: int, world_size: int, truth: torch.Tensor
             f"{where}: {res['calls']} all-reduce calls for {res['buckets']} "
             "buckets.", "one dist.all_reduce of bucket.buffer() per hook call.")
     got, local = _flat(res["grads"]), _flat(res["local"])
-    from dtlib.chapters.ch03_data_parallel.runs import TINY
-
+    
     rel = _rel(world_size, TINY)
     if _close(got, truth * world_size, rel):
         return WrongAnswer(f"{where}: the gradients are world_size times too large: "
@@ -259,7 +262,7 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
 
     Taught in: Chapter 3, "Exercises" (the bucketed gradient hook).
     """
-    from dtlib.chapters.ch03_data_parallel.runs import TINY, reference_gpt_run
+    from dtlib.models.reference import reference_gpt_run
 
     if not world_sizes or any(not isinstance(n, int) or n < 2 for n in world_sizes):
         raise ValueError(f"world_sizes={world_sizes!r}: give integers >= 2 (a hook "

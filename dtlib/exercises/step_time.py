@@ -73,8 +73,8 @@ PREDICT_WORLD = 2
 def measure_on_rank() -> dict:
     """On every rank: the machine's inputs and one overlapped-DDP step, measured
     (Chapter 13's page code, fewer sizes and steps)."""
-    from dtlib.chapters.ch13_time.runs import (TIME_GPT, measure_machine,
-                                               time_strategies)
+    from dtlib.planner.measure import measure_machine
+    from dtlib.planner.timing import TIME_GPT, time_strategies
 
     return {"machine": measure_machine(sizes=(2**12, 2**16, 2**20, 2**22),
                                        repeats=3, cfg=TIME_GPT),
@@ -84,7 +84,8 @@ def measure_on_rank() -> dict:
 def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
     """(inputs the learner sees, workload, machine) for the measured machine, its
     four-rank variant, and the same numbers with communication on its own engine."""
-    from dtlib.chapters.ch13_time.runs import TIME_GPT, machine_from, workload_of
+    from dtlib.planner.measure import machine_from
+    from dtlib.planner.timing import TIME_GPT, workload_of
     from dtlib.planner.step_time import Machine, bucket_bytes
 
     n = measured["step"]["world_size"]
@@ -170,7 +171,7 @@ def check_predict_step(predict_step: Callable[[dict], float]) -> None:
     """
     import os
 
-    from dtlib.chapters.ch13_time.runs import BAND
+    from dtlib.planner.timing import BAND
     from dtlib.runtime import launch
 
     measured = launch.spawn(measure_on_rank, PREDICT_WORLD, timeout=300,

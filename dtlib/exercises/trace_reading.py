@@ -121,6 +121,6 @@ def check_exposed_comm(exposed_us: Callable[[list[Event]], float]) -> None:
 
 def record_on_rank() -> list[Event]:
     """On every rank: one profiled step of :data:`TRACE_STRATEGY`, its events."""
-    from dtlib.chapters.ch13_time.runs import profile_step
+    from dtlib.planner.timing import profile_step
 
     return profile_step(TRACE_STRATEGY)["events"]

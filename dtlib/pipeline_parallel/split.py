@@ -27,7 +27,8 @@ import torch.nn as nn
 
 from dtlib.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPTStage", "RankStages", "split_gpt", "balanced_layers", "balance", "gpt_layer_costs",
+__all__ = ["GPTStage", "RankStages", "split_gpt", "balanced_layers", "balance",
+           "gpt_layer_costs",
            "stage_costs", "layers_from_split_points"]
 
 

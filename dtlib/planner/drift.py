@@ -43,7 +43,7 @@ def machine_at(machine: Machine, probes: Sequence[dict[str, float]],
     Args:
         machine: the launch's measured machine (its collective fits and curves,
             re-levelled where the probes timed the collective).
-        probes: the :func:`~dtlib.chapters.ch13_time.machine.probe_rate` results
+        probes: the :func:`~dtlib.planner.measure.probe_rate` results
             just before and just after a timed step (each ``flops``, ``alone_s``,
             ``all_s``, ``optimizer_s_per_param``, ``copy_s_per_byte``, and
             optionally ``comm_bytes`` with ``<op>_s`` per op of :data:`COMM_OPS`).

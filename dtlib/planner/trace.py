@@ -5,7 +5,7 @@ On gloo the work of a collective runs on gloo's own threads (events ``gloo:all_r
 ``gloo:all_gather``, ...); the rank's thread records the call (``c10d::allreduce_``,
 ``c10d::_allgather_base_``, ...) and its compute (``aten::...``). NCCL's kernels appear
 as ``nccl...`` device events. Pure functions of the event tuples
-:func:`dtlib.chapters.ch13_time.runs.profile_step` returns.
+:func:`dtlib.planner.timing.profile_step` returns.
 
 Taught in: Chapter 13, "Reading a trace".
 """

@@ -17,10 +17,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.precision.fp8 import (MATMUL_PATHS, SCALINGS, AmaxHistory, amax,
                                  choose_scale, quantize, scaled_mm)
 
-__all__ = ["Float8LinearFunction", "Float8Linear", "keep_head", "swap_linears"]
+__all__ = ["Float8LinearFunction", "Float8Linear", "keep_head", "swap_linears",
+           "fsdp_allgather_bytes"]
 
 
 class _Recipe:
@@ -175,3 +177,36 @@ def swap_linears(model: nn.Module,
                 setattr(module, child_name, Float8Linear.from_linear(child, **kwargs))
                 swapped.append(full)
     return swapped
+
+
+def fsdp_allgather_bytes(cfg: GPTConfig, world_size: int) -> dict[str, float]:
+    """Bytes one rank receives per all-gather of the whole model under FSDP2, with
+    bf16 parameters, and with the Float8Linear weights gathered in fp8 (torchao's
+    ``enable_fsdp_float8_all_gather``: one byte per element; biases, embeddings, norms
+    and the head stay bf16). The scales travel apart: one all-reduce of every fp8
+    weight's amax, one fp32 each (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``).
+
+    Counted from the model itself: ``build_gpt(cfg)`` with the default swap filter.
+
+    Returns:
+        ``{"params", "fp8_params", "bf16_bytes", "fp8_bytes", "saved_fraction",
+        "amax_bytes"}`` (bytes received per rank per gather: ``(N - 1) / N`` of the
+        model; ``amax_bytes``: the amax all-reduce's payload).
+
+    Taught in: Chapter 7, "FP8".
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) \
+            or world_size < 2:
+        raise ValueError(f"world_size={world_size!r} must be an integer >= 2")
+    model = build_gpt(cfg)  # a CPU copy: a meta build would import the compiler
+    swapped = swap_linears(model)
+    fp8_weights = [model.get_submodule(name).weight for name in swapped]
+    params = sum(p.numel() for p in model.parameters())
+    fp8_params = sum(w.numel() for w in fp8_weights)
+    share = (world_size - 1) / world_size
+    bf16_bytes = share * 2 * params
+    fp8_bytes = share * (2 * (params - fp8_params) + fp8_params)
+    return {"params": params, "fp8_params": fp8_params, "bf16_bytes": bf16_bytes,
+            "fp8_bytes": fp8_bytes, "saved_fraction": 1 - fp8_bytes / bf16_bytes,
+            "amax_bytes": 4 * len(fp8_weights)}

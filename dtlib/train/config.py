@@ -16,18 +16,15 @@ import math
 import os
 import re
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Sequence
+from typing import Sequence
 
-import torch
+from dtlib.models.optimizers import OPTIMIZERS
 
 #: ``--strategy``: the keys of :data:`dtlib.train.strategies.STRATEGIES`.
 STRATEGY_NAMES = ("ddp", "fsdp")
 MODELS = ("gpt", "hf-llama")
-#: ``--optimizer`` -> (class, arguments besides lr and weight_decay).
-OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {}),
-    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
-}
+#: ``--optimizer``: the book's one table (class, arguments besides lr and
+#: weight_decay).
 OPTIMIZER_NAMES = tuple(OPTIMIZERS)
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: ``--attention`` (``dtlib.models.gpt.ATTENTION``) and ``--recompute``

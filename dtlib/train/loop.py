@@ -37,8 +37,8 @@ from dtlib.train.config import TrainConfig, parse_args
 from dtlib.train.faults import SIGNALS, Preemption, kill_rehearsal, retain
 from dtlib.train.identity import Refusal, check_directory, fingerprint
 from dtlib.train.job import Job, build_job
-from dtlib.train.metrics import (RunLog, evaluate, flops_per_token,
-                                 measured_peak_flops, peak_memory)
+from dtlib.planner.measure import matmul_flops
+from dtlib.train.metrics import RunLog, evaluate, flops_per_token, peak_memory
 from dtlib.train.state import export_hf, param_digest, resume, save_state
 
 __all__ = ["TrainConfig", "main", "train", "Capstone"]
@@ -213,7 +213,8 @@ def _peak_flops(job: Job) -> tuple[float, str]:
         else torch.float32
     ddist.rprint("measuring one device's matmul rate for MFU (--peak-flops skips "
                  "it) ...", flush=True)
-    peak = measured_peak_flops(job.world.device, dtype)
+    n = 4096 if job.world.device.type == "cuda" else 512  # a few milliseconds each
+    peak = matmul_flops(n, n, n, seconds=0.0, device=job.world.device, dtype=dtype)[1]
     source = f"measured: {str(dtype).replace('torch.', '')} matmul"
     ddist.rprint(f"MFU is over a peak of {peak / 1e12:.3g} TFLOP/s per device "
                  f"({source}; give --peak-flops for the datasheet's)")

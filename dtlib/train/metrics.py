@@ -12,7 +12,8 @@ neither start-up nor checkpoints are in them), the MFU and the peak memory:
   attention's scores and weighted sums (:func:`flops_per_token`). Recomputation is
   not counted: it is work the hardware does, not the model (that is HFU). The peak
   is ``--peak-flops`` or, without it, a matmul measured on the device at start-up
-  (:func:`measured_peak_flops`); the first line says which.
+  (Chapter 13's :func:`dtlib.planner.measure.matmul_flops`, its best window); the
+  first line says which.
 - peak memory is the CUDA caching allocator's high-water mark of allocated bytes on
   a GPU, the process's peak resident set (``ru_maxrss``) on the CPU; the line names
   which.
@@ -30,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from dtlib.runtime import dist as ddist
 from dtlib.train.model import logits_of
 
-__all__ = ["flops_per_token", "measured_peak_flops", "peak_memory", "evaluate",
+__all__ = ["flops_per_token", "peak_memory", "evaluate",
            "RunLog", "tensorboard_writer"]
 
 
@@ -52,34 +52,6 @@ def flops_per_token(n_params: int, n_layers: int, seq_len: int, hidden: int) -> 
     Taught in: Chapter 10, "What the log says".
     """
     return 6 * n_params + 12 * n_layers * seq_len * hidden
-
-
-def measured_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
-                        n: int | None = None, reps: int = 5) -> float:
-    """The best FLOP/s of ``reps`` square ``n x n`` matmuls on ``device``: a peak this
-    device really reaches, for MFU when no datasheet peak is given.
-
-    Args:
-        device: where to measure; dtype: the matmul's dtype (the run's compute one);
-        n: the size (default 4096 on a GPU, 512 on the CPU: a few milliseconds).
-    Returns:
-        FLOP/s (``2 n^3`` per matmul over its time).
-
-    Taught in: Chapter 10, "What the log says".
-    """
-    n = n or (4096 if device.type == "cuda" else 512)
-    a = torch.ones(n, n, device=device, dtype=dtype)  # no random draw is consumed
-    b = torch.ones(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(reps + 1):  # the first one warms up (kernel choice, page faults)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / min(times[1:])
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:

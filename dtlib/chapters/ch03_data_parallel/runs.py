@@ -149,7 +149,7 @@ def measure_step(cfg: GPTConfig, variant: str, micro_batch: int, steps: int = 10
 def compare_variants(cfg: GPTConfig, micro_batch: int, steps: int = 10,
                      warmup: int = 2, bucket_cap_mb: float = 25.0,
                      variants: tuple[str, ...] = VARIANTS) -> list[dict[str, Any]]:
-    """:func:`measure_step` for each variant in turn, in one launch (rank function)."""
+    """On every rank: :func:`measure_step` for each variant in turn, in one launch."""
     return [measure_step(cfg, v, micro_batch, steps, warmup, bucket_cap_mb)
             for v in variants]
 

@@ -21,42 +21,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtlib.models import optimizers
 from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd,
                               TrainState, run_steps)
 from dtlib.runtime.dist import world
 from dtlib.zero import no_decay_groups, parallelism
 
-__all__ = ["TinyMoE", "ROUTINGS", "OPTIMIZERS", "optimizer_of",
+__all__ = ["TinyMoE", "ROUTINGS", "WEIGHT_DECAY", "optimizer_of",
            "route", "moe_batch", "moe_reference", "moe_rank", "moe_demo_rank",
            "fsdp2_reshard_traffic"]
 
 WIDTH, N_OUT, PER_RANK = 6, 3, 4
 
-#: The optimizers chapter 4's runs use (``lr`` apart): AdamW, whose two moments the
-#: memory formula counts, and SGD with momentum, whose step is smooth in the gradient
-#: (the trajectory proofs). Both decay weights, so a skipped parameter shows.
-OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
-    "sgd": (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
-}
+#: Chapter 4's runs decay weights, so a parameter the optimizer skips shows.
+WEIGHT_DECAY = 0.1
 
 
 def optimizer_of(optimizer: str, lr: float) -> tuple[type, dict[str, Any]]:
-    """The optimizer class and its keyword arguments, by name.
-
-    Args:
-        optimizer: a key of :data:`OPTIMIZERS` (``"adamw"`` or ``"sgd"``).
-        lr: the learning rate.
-    Returns:
-        ``(optimizer_class, kwargs)`` with ``kwargs["lr"] == lr``.
+    """:func:`dtlib.models.optimizers.optimizer_of` with the chapter's
+    :data:`WEIGHT_DECAY`.
 
     Taught in: Chapter 4, "Does it train the same model?".
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} not allowed; allowed: "
-                         f"{sorted(OPTIMIZERS)}")
-    cls, kwargs = OPTIMIZERS[optimizer]
-    return cls, {"lr": lr, **kwargs}
+    return optimizers.optimizer_of(optimizer, lr, WEIGHT_DECAY)
 
 
 class TinyMoE(nn.Module):

@@ -14,55 +14,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from dtlib import zero
+from dtlib.checkpoint.drill import FSDP_CFG, fsdp_model, fsdp_train
 from dtlib.checkpoint.sharded import flatten, load_sharded, save_sharded, state_bytes
 from dtlib.checkpoint.state import atomic_save
-from dtlib.models.gpt import build_gpt, token_batch
-from dtlib.models.run import RunConfig, TrainState, full_tensor, local_tensor, run_steps
-from dtlib.models.sizes import size
-from dtlib.runtime.dist import world
+from dtlib.models.run import full_tensor, local_tensor
 
 __all__ = ["FSDP_CFG", "fsdp_model", "fsdp_train", "fsdp_save_both", "fsdp_load_both"]
-
-#: The model the sharded demos use (untied head: every parameter one DTensor).
-FSDP_CFG = size("tiny-untied")
-
-
-def fsdp_model(seed: int) -> tuple[Any, torch.nn.Module, Any]:
-    """A fresh FSDP2 job on every rank: its Parallelism, model and AdamW.
-
-    Args:
-        seed: the model's initial weights.
-    Returns:
-        ``(par, model, optimizer)``; the optimizer has no state until its first step.
-
-    Taught in: Chapter 9, "Sharded state".
-    """
-    w = world()
-    par = zero.parallelism(3, variant="fsdp2")
-    model = par.apply(build_gpt(FSDP_CFG, seed).to(w.device))
-    return par, model, par.make_optimizer(model, torch.optim.AdamW, lr=1e-2)
-
-
-def fsdp_train(par: Any, model: torch.nn.Module, opt: Any, first_step: int,
-               steps: int) -> None:
-    """Train ``steps`` steps from step ``first_step`` (each rank its rows of a global
-    batch of 8, drawn from the step's index, so a resumed job sees what the
-    uninterrupted one saw).
-
-    Args:
-        par, model, opt: :func:`fsdp_model`'s job.
-        first_step: index of the first step (0 for a fresh run).
-        steps: optimizer steps to take.
-    Returns:
-        None: ``model`` and ``opt`` have taken the steps.
-
-    Taught in: Chapter 9, "Sharded state".
-    """
-    device = world().device
-    run_steps(par, None, lambda step: _batch(device, first_step + step),
-              RunConfig(steps, record_grads=False, record_params=False),
-              TrainState(model, opt))
 
 
 def _fsdp_job(seed: int, train_steps: int) -> tuple[torch.nn.Module, Any]:
@@ -71,10 +28,6 @@ def _fsdp_job(seed: int, train_steps: int) -> tuple[torch.nn.Module, Any]:
     par, model, opt = fsdp_model(seed)
     fsdp_train(par, model, opt, 0, train_steps)
     return model, opt
-
-
-def _batch(device: torch.device, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return token_batch(FSDP_CFG, 8, seed=100 + step, device=device)
 
 
 def _full(state: Any) -> dict[str, torch.Tensor]:

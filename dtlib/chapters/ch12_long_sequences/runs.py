@@ -26,7 +26,7 @@ from dtlib.context_parallel import cp_shard, cp_unshard, ring_attention
 from dtlib.context_parallel import parallelism as cp_parallelism
 from dtlib.context_parallel.ulysses import ulysses_attention
 from dtlib.memory.measure import measure_activations
-from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches, grads_of
 from dtlib.models.run import RunConfig, RunResult, run_steps
 from dtlib.pipeline_parallel.parallelism import TORCH_SCHEDULES
@@ -282,8 +282,8 @@ def train_interleaved(gpt: dict, batch: int, n_microbatches: int, steps: int,
         ``losses``, every stage's ``grads`` (step 0) and ``params`` (after
         ``steps``), by the whole model's parameter names.
     """
-    if schedule not in TORCH_SCHEDULES or TORCH_SCHEDULES[schedule][1] == 1:
-        raise ValueError(f"schedule={schedule!r} is not allowed; allowed: "
-                         f"{sorted(s for s, v in TORCH_SCHEDULES.items() if v[1] != 1)}")
+    multi = sorted(s for s, row in TORCH_SCHEDULES.items() if row[1] != 1)
+    if schedule not in multi:
+        raise ValueError(f"schedule={schedule!r} is not allowed; allowed: {multi}")
     return train_pipeline(gpt, batch, n_microbatches, steps, f"torch-{schedule}",
                           chunks=n_chunks)

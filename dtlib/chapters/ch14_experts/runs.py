@@ -132,7 +132,8 @@ class _RecordCounts(Callback):
 def train_moe(par: Parallelism, cfg: GPTConfig, moe: MoEConfig, batch: int,
               steps: int, lr: float = 0.05, momentum: float = 0.9,
               optimizer_class: type = torch.optim.SGD) -> RunResult:
-    """The MoE GPT trained under ``par`` (the one loop), step 0's bytes counted.
+    """One rank: the MoE GPT trained under ``par`` (the one loop), step 0's bytes
+    counted.
 
     Returns:
         A :class:`~dtlib.models.run.RunResult` with ``extra["counts"]`` (tokens

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib.chapters.ch13_time.machine import median_call_s, slowest
+from dtlib.planner.measure import median_call_s, slowest
 from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.planner.specs import ModelSpec

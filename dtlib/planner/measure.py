@@ -29,7 +29,8 @@ from dtlib.planner.machine import Machine, monotone
 from dtlib.planner.specs import ModelSpec
 from dtlib.runtime import dist as ddist
 
-__all__ = ["GEMM", "slowest", "median_call_s", "measure_machine", "machine_from"]
+__all__ = ["GEMM", "matmul_flops", "slowest", "median_call_s", "measure_machine",
+           "machine_from"]
 
 #: The matmul the FLOP/s is timed on: a block's MLP on 256 tokens of width 256.
 GEMM = (256, 256, 1024)
@@ -42,22 +43,29 @@ def slowest(seconds: float) -> float:
     return float(t.item())
 
 
-def _matmul_flops(m: int, k: int, n: int, windows: int = 5,
-                  seconds: float = 0.04) -> tuple[float, float]:
-    """(median, best) FLOP/s of ``windows`` timed windows of ``m x k @ k x n``."""
-    dev = ddist.world().device
+def matmul_flops(m: int, k: int, n: int, windows: int = 5, seconds: float = 0.04,
+                 device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(median, best) FLOP/s of ``windows`` timed windows of ``m x k @ k x n``
+    (each at least ``seconds`` and three calls long) on ``device`` (default: this
+    rank's). The inputs come from a generator of their own: no random draw of the
+    caller's is consumed (a resumed run's dropout stays where it was).
+
+    Taught in: Chapter 13, "Measuring the machine"; the capstone's MFU (Chapter 10).
+    """
+    dev = ddist.world().device if device is None else device
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen).to(dev)
-    b = torch.randn(k, n, generator=gen).to(dev)
-    torch.mm(a, b)  # warm-up
-    ddist.sync()
+    a = torch.randn(m, k, generator=gen).to(dev, dtype)
+    b = torch.randn(k, n, generator=gen).to(dev, dtype)
+    torch.mm(a, b)  # warm-up (kernel choice, page faults)
+    ddist.sync(dev)
     rates = []
     for _ in range(windows):
         calls, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds or calls < 3:
             torch.mm(a, b)
             calls += 1
-        ddist.sync()  # accelerators queue kernels: time the work
+        ddist.sync(dev)  # accelerators queue kernels: time the work
         rates.append(2 * m * k * n * calls / (time.perf_counter() - t0))
     return statistics.median(rates), max(rates)
 
@@ -171,13 +179,13 @@ def measure_machine(gemm: tuple[int, int, int] = GEMM,
     alone = torch.zeros(5, dtype=torch.float64, device=dev)
     dist.barrier()
     if rank == 0:
-        alone[0], alone[2] = _matmul_flops(*gemm)
+        alone[0], alone[2] = matmul_flops(*gemm)
         alone[1] = _optimizer_s_per_param()
         alone[3] = _model_flops(cfg, max(1, global_batch // n)) if cfg else alone[0]
         alone[4] = _copy_s_per_byte()
     dist.broadcast(alone, 0)
     dist.barrier()
-    shared = _matmul_flops(*gemm)[0]
+    shared = matmul_flops(*gemm)[0]
     t = torch.tensor([shared], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     fits, points = {}, []
