@@ -31,6 +31,6 @@ if _os.environ.get(STRICT_WARNINGS_ENV) == "1":
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register the ``%%torchrun`` and ``%%ranks`` cell magics (``%load_ext dtlib``)."""
-    from dtlib.runtime.magic import TorchrunMagics
+    from dtlib.runtime.magic import TorchrunMagics  # IPython: only in a notebook
 
     ipython.register_magics(TorchrunMagics)

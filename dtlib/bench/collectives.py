@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib import collectives as col
 from dtlib.collectives import cost_model as comm_cost
 from dtlib.collectives.cost_model import fit_distrust
 from dtlib.runtime import launch
@@ -55,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _torch_call(op: str, x: torch.Tensor, n: int) -> Any:
-    from dtlib import collectives as col
-
     if op == "all_reduce":
         return lambda: dist.all_reduce(x)
     if op == "reduce_scatter":
@@ -67,8 +66,6 @@ def _torch_call(op: str, x: torch.Tensor, n: int) -> Any:
 
 
 def _ring_call(op: str, x: torch.Tensor, n: int) -> Any:
-    from dtlib import collectives as col
-
     if op == "all_reduce":
         return lambda: col.ring_all_reduce(x)
     if op == "reduce_scatter":

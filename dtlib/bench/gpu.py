@@ -44,6 +44,9 @@ from dtlib.models.sizes import size
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 
+# Each check imports the chapter it runs inside itself: on a machine where one
+# chapter's code cannot load (an older torch), that check fails and the rest run.
+
 #: Printed lines instead of a table (read by ``python -m dtlib.bench``).
 PRINTS_LINES = True
 CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "ch14", "capstone", "collectives",

@@ -23,11 +23,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtlib.collectives.accounting import CountComms
+from dtlib.memory.formulas import model_state_bytes
+from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
+from dtlib.models.optimizers import optimizer_of
+from dtlib.models.run import Parallelism, RunConfig, TrainState, run_steps
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
-from dtlib.models.gpt import MLP, GPTConfig, build_gpt, token_batch
-from dtlib.models.run import Parallelism, RunConfig, TrainState, run_steps
-from dtlib.models.optimizers import optimizer_of
+from dtlib.zero import StateAfterStep, bf16_policy, parallelism, zero_comm_elements
 
 #: The GPT trained here: small enough for 4 CPU ranks, every size divisible by 4.
 BENCH_GPT = dict(vocab_size=256, seq_len=32, n_layers=4, hidden=64, n_heads=4)
@@ -145,9 +148,6 @@ def train_rank(variant: str = "zero", stage: int = 3, model: str = "gpt",
 
     Taught in: Chapter 4, measured vs predicted.
     """
-    from dtlib.collectives.accounting import CountComms
-    from dtlib.zero import StateAfterStep, parallelism, bf16_policy, zero_comm_elements
-
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} not allowed; allowed: {VARIANTS}")
     cls, kwargs = optimizer_of(optimizer, lr, WEIGHT_DECAY)
@@ -210,8 +210,6 @@ def to_record(per_rank: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
     Taught in: Chapter 4, "Memory, measured".
     """
-    from dtlib.memory.formulas import model_state_bytes
-
     r0 = per_rank[0]
     n, stage, world_size = r0["n_params"], r0["stage"], r0["world_size"]
     predicted = model_state_bytes(n, zero_stage=stage, dp=world_size,

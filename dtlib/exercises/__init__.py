@@ -166,6 +166,7 @@ def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],
     Returns:
         Each rank's return value of ``on_rank``.
     """
+    # loads torch on first use: this module imports without it
     from dtlib.runtime import launch
 
     def rank_main() -> Any:

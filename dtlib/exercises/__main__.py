@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dtlib.exercises.grade import main as grade
 from dtlib.exercises.strip import strip_tree
 
 
@@ -27,8 +28,6 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds one cell may run (default 600)")
     args = parser.parse_args(argv)
     if args.command == "grade":
-        from dtlib.exercises.grade import main as grade
-
         if args.cell_timeout <= 0:
             parser.error(f"--cell-timeout={args.cell_timeout:g}: give a positive "
                          "number of seconds")

@@ -57,6 +57,7 @@ def _scale_on_rank(scale: Callable[[list[int]], float],
     and the collectives it issued."""
     import torch.distributed as dist
 
+    # loads torch on first use: this module imports without it
     from dtlib.exercises.collectives import watch_comms
 
     rank, out = dist.get_rank(), []

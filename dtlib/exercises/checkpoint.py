@@ -15,10 +15,13 @@ from unittest import mock
 
 import torch
 
-from dtlib.checkpoint.state import STATE_KEYS
 from dtlib.checkpoint.drill import (CrashDuringSave, SimulatedCrash, fsdp_model,
                                     fsdp_train, train_run)
+from dtlib.checkpoint.sharded import dcp_load_full
+from dtlib.checkpoint.state import STATE_KEYS
 from dtlib.exercises import WrongAnswer, checker, passed
+from dtlib.models.run import full_tensor
+from dtlib.runtime import launch
 
 _STRAIGHT: dict[int, torch.Tensor] = {}
 
@@ -198,8 +201,6 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
 
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective on every rank)."""
-    from dtlib.models.run import full_tensor
-
     return {n: full_tensor(p.detach()).cpu().clone()
             for n, p in model.named_parameters()}
 
@@ -234,8 +235,6 @@ def _one_process_read(directory: str, saved: dict[str, torch.Tensor]
     """The model's tensors read back by one process without a process group, as a
     job of another world size would read them, or why that is impossible."""
     from torch.distributed.checkpoint import FileSystemReader
-
-    from dtlib.checkpoint.sharded import dcp_load_full
 
     try:
         stored = FileSystemReader(directory).read_metadata().state_dict_metadata
@@ -308,8 +307,6 @@ def judge_sharded_resume(answers: list[tuple[Callable[..., Any], Callable[..., A
 
     Taught in: Chapter 9, "Sharded state".
     """
-    from dtlib.runtime import launch
-
     if not 0 < stop_at < total_steps:
         raise ValueError(f"stop_at={stop_at} must be in (0, total_steps="
                          f"{total_steps})")

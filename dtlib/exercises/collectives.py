@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from dtlib.collectives.accounting import count_comms
-from dtlib.runtime import diagnose, launch
+from dtlib.collectives.algorithms import ring_all_reduce
 from dtlib.exercises import WrongAnswer, as_number, checker, passed
+from dtlib.runtime import diagnose, launch
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
 
@@ -178,8 +179,6 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
 
 
 def _ring_bytes_sent(nbytes: int) -> int:
-    from dtlib.collectives.algorithms import ring_all_reduce
-
     with count_comms() as log:
         ring_all_reduce(torch.ones(nbytes // 4))
     return log.total_bytes("send")

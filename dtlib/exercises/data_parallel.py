@@ -11,17 +11,20 @@ self-contained: no names from other cells besides ``torch`` and ``dist``.
 from __future__ import annotations
 
 import inspect
-import threading
 import textwrap
+import threading
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from dtlib.collectives.accounting import count_comms
+from dtlib.data_parallel import sampling
+from dtlib.exercises import WrongAnswer, checker, passed
+from dtlib.models.gpt import build_gpt, token_batch
+from dtlib.models.reference import grads_of, reference_gpt_run
 from dtlib.models.sizes import size
 from dtlib.runtime import diagnose, launch
-from dtlib.exercises import WrongAnswer, checker, passed
 
 #: the book's tiny GPT, the one chapter 3's runs train
 TINY = size("tiny")
@@ -84,9 +87,6 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
     as it may on any backend.
     """
     from torch.nn.parallel import DistributedDataParallel
-
-    from dtlib.models.reference import grads_of
-    from dtlib.models.gpt import build_gpt, token_batch
 
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
     exec(compile(source, f"<your {name}>", "exec"), namespace)
@@ -163,9 +163,6 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
 def _run_hooks(hooks: list[tuple[str, str]]) -> list[dict[str, Any]]:
     """On each rank: every hook in turn, each in a DDP of its own, beside this rank's
     own gradient without DDP (what a hook that does not reduce would leave)."""
-    from dtlib.models.reference import grads_of
-    from dtlib.models.gpt import build_gpt, token_batch
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     idx, targets = token_batch(TINY, world_size * MICRO_BATCH, seed=0)
     rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
@@ -262,8 +259,6 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
 
     Taught in: Chapter 3, "Exercises" (the bucketed gradient hook).
     """
-    from dtlib.models.reference import reference_gpt_run
-
     if not world_sizes or any(not isinstance(n, int) or n < 2 for n in world_sizes):
         raise ValueError(f"world_sizes={world_sizes!r}: give integers >= 2 (a hook "
                          "needs peers to average with)")
@@ -344,8 +339,6 @@ def check_sampler_indices(sampler_indices: Callable[[int, int, int, int, int],
     ``set_epoch(epoch)``.
     """
     from torch.utils.data import DistributedSampler
-
-    from dtlib.data_parallel import sampling
 
     real_iter = DistributedSampler.__iter__
 

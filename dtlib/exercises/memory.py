@@ -154,6 +154,7 @@ def saved_on_rank(count: Callable[..., Any]) -> list[Any]:
     import torch
     import torch.distributed as dist
 
+    # loads torch on first use: this module imports without it
     from dtlib.models.gpt import Block, GPTConfig
     from dtlib.runtime.dist import world
 
@@ -180,6 +181,7 @@ def saved_bytes_truth(seq_len: int, hidden: int, n_heads: int,
 
     Taught in: Chapter 1, measured: activations.
     """
+    # loads torch on first use: this module imports without it
     from dtlib.memory.measure import gpt_layer_activation_terms
 
     return sum(sum(gpt_layer_activation_terms(seq_len, b, hidden, n_heads,

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
-
+from dtlib.runtime.dist import world
 
 # Formats the chapter does not tabulate (exponent bits, mantissa bits), IEEE-style:
 # the all-ones exponent is kept for inf and NaN. fp16 and fp64 are there too, so that
@@ -146,8 +146,6 @@ def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
     Taught in: Chapter 7, exercise "A loss-scaler step that the ranks agree on".
     """
     import torch.distributed as dist
-
-    from dtlib.runtime.dist import world
 
     rank, device, out = dist.get_rank(), world().device, []
     for case, (interval, flags) in enumerate(SCALER_CASES):
@@ -291,8 +289,6 @@ def grad_shards_on_rank(reduce: Callable[..., torch.Tensor]) -> list[Any]:
     Taught in: Chapter 7, exercise "A reduce-scatter in reduce_dtype".
     """
     import torch.distributed as dist
-
-    from dtlib.runtime.dist import world
 
     out: list[Any] = []
     for case, reduce_dtype in enumerate(REDUCE_CASES):

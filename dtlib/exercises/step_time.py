@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 from dtlib.exercises import WrongAnswer, as_number, check_close, checker, passed
 from dtlib.planner.overlap import Comm, two_streams
+from dtlib.planner.step_time import Machine, bucket_bytes, predict
 
 
 def _truth(forward_s: float, backward_s: float, buckets_s: Sequence[float]) -> float:
@@ -73,6 +74,7 @@ PREDICT_WORLD = 2
 def measure_on_rank() -> dict:
     """On every rank: the machine's inputs and one overlapped-DDP step, measured
     (Chapter 13's page code, fewer sizes and steps)."""
+    # loads torch on first use: this module imports without it
     from dtlib.planner.measure import measure_machine
     from dtlib.planner.timing import TIME_GPT, time_strategies
 
@@ -84,9 +86,9 @@ def measure_on_rank() -> dict:
 def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
     """(inputs the learner sees, workload, machine) for the measured machine, its
     four-rank variant, and the same numbers with communication on its own engine."""
+    # loads torch on first use: this module imports without it
     from dtlib.planner.measure import machine_from
     from dtlib.planner.timing import TIME_GPT, workload_of
-    from dtlib.planner.step_time import Machine, bucket_bytes
 
     n = measured["step"]["world_size"]
     fitted = machine_from([measured["machine"]], cores)
@@ -120,8 +122,6 @@ def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
 
     Taught in: Chapter 13, exercise ch13-ex-predict.
     """
-    from dtlib.planner.step_time import predict
-
     first = None
     for inputs, w, m in _cases(measured, cores):
         ranks = inputs["world_size"]
@@ -171,6 +171,7 @@ def check_predict_step(predict_step: Callable[[dict], float]) -> None:
     """
     import os
 
+    # loads torch on first use: this module imports without it
     from dtlib.planner.timing import BAND
     from dtlib.runtime import launch
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from dtlib.exercises import WrongAnswer, as_number, checker, passed
+from dtlib.planner.trace import exposed_comm, intervals, is_comm
 
 #: The strategy whose step the checker traces, and on how many gloo ranks.
 TRACE_STRATEGY, TRACE_WORLD = "ddp/overlapped", 2
@@ -43,14 +44,10 @@ def band_us(events: Sequence[Event]) -> float:
     moves each end by at most half a microsecond, so the answer by at most one
     microsecond per merged span of either kind.
     """
-    from dtlib.planner.trace import intervals
-
     return float(len(intervals(events, True)) + len(intervals(events, False)))
 
 
 def _wrong_readings(events: Sequence[Event]) -> list[tuple[float, str]]:
-    from dtlib.planner.trace import is_comm, exposed_comm, intervals
-
     comm = [e for e in events if is_comm(e[0])]
     compute = sum(t - s for s, t in intervals(events, False))
     span = exposed_comm(events)["span_us"]
@@ -71,8 +68,6 @@ def judge_exposed_comm(exposed_us: Callable[[list[Event]], float],
 
     Taught in: Chapter 13, exercise ch13-ex-trace.
     """
-    from dtlib.planner.trace import exposed_comm
-
     want, tol = exposed_comm(events)["exposed_us"], band_us(events)
     got = exposed_us(list(events))
     if as_number(got) is None:
@@ -104,7 +99,7 @@ def check_exposed_comm(exposed_us: Callable[[list[Event]], float]) -> None:
 
     Taught in: Chapter 13, exercise ch13-ex-trace.
     """
-    from dtlib.planner.trace import exposed_comm
+    # loads torch on first use: this module imports without it
     from dtlib.runtime import launch
 
     for i, events in enumerate(HAND_TRACES):
@@ -121,6 +116,7 @@ def check_exposed_comm(exposed_us: Callable[[list[Event]], float]) -> None:
 
 def record_on_rank() -> list[Event]:
     """On every rank: one profiled step of :data:`TRACE_STRATEGY`, its events."""
+    # loads torch on first use: this module imports without it
     from dtlib.planner.timing import profile_step
 
     return profile_step(TRACE_STRATEGY)["events"]

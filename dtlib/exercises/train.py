@@ -50,6 +50,7 @@ def _fsdp_on_rank(wrap: Callable[[Any], Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    # loads torch on first use: this module imports without it
     from dtlib.models.gpt import build_gpt, token_batch
     from dtlib.models.run import full_tensor, is_dtensor
     from dtlib.models.sizes import size
@@ -95,6 +96,7 @@ def check_fsdp2_wrapping(wrap: Callable[[Any], Any], world_size: int = 2) -> Non
     unit per transformer block and the root last, so that one block's parameters are
     gathered at a time. Runs on ``world_size`` real ranks; the gradients after one
     backward must equal one process's on the whole batch."""
+    # loads torch on first use: this module imports without it
     from dtlib.models.reference import reference_gpt_run
     from dtlib.models.sizes import size
 

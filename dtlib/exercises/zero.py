@@ -6,7 +6,9 @@ from typing import Any, Callable
 
 import torch
 
+from dtlib.collectives.accounting import count_comms
 from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
+from dtlib.memory.formulas import model_state_bytes
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
 
@@ -113,8 +115,6 @@ def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]]) -> None:
     Each term is checked on its own: a total cannot tell "stage 2 shards the
     gradients" from "stage 2 shards the parameters" (both save 2 bytes a parameter).
     """
-    from dtlib.memory.formulas import model_state_bytes
-
     for n, stage, world_size in ((7_500_000_000, 0, 64), (7_500_000_000, 1, 64),
                                  (7_500_000_000, 2, 64), (7_500_000_000, 3, 64),
                                  (1001, 3, 4), (1001, 2, 4), (7_000_000_000, 3, 8)):
@@ -163,8 +163,6 @@ def _zero2_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _zero2_on_rank(hook: Callable[[torch.nn.Parameter], None]) -> dict[str, Any]:
     """On every rank: the learner's hook on every parameter, one backward."""
     import torch.distributed as dist
-
-    from dtlib.collectives.accounting import count_comms
 
     model = _zero2_model()
     for p in model.parameters():

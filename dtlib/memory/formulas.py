@@ -361,7 +361,7 @@ def __getattr__(name: str):
     """Re-export the measurement API on first use, so that the formulas (and the
     pure-Python planner built on them) never import torch."""
     if name in _MEASURED:
-        import dtlib.memory.measure as measure
+        import dtlib.memory.measure as measure  # torch, on first use only
 
         return getattr(measure, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from dtlib.models.gpt import build_gpt, token_batch
+
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
     st = t.untyped_storage()
@@ -272,8 +274,6 @@ def measure_gpt_layer(cfg, micro_batch: int, seed: int = 0) -> int:
     Taught in: Chapter 1, measured vs predicted.
     """
     from dataclasses import replace
-
-    from dtlib.models.gpt import build_gpt, token_batch
 
     totals = []
     for n_layers in (cfg.n_layers, cfg.n_layers + 1):

@@ -27,6 +27,9 @@ from typing import Any, Callable
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from dtlib.memory.measure import gpt_layer_activation_terms, measure_activations
+from dtlib.models.gpt import build_gpt, token_batch
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -96,8 +99,6 @@ def recompute_activation_terms(seq_len: int, micro_batch: int, hidden: int,
 
     Taught in: Chapter 12, "Recomputation".
     """
-    from dtlib.memory.measure import gpt_layer_activation_terms
-
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"mode={mode!r} is not a recomputation mode; allowed: "
                          f"{RECOMPUTE_MODES}")
@@ -150,8 +151,6 @@ def recompute_extra_flops(seq_len: int, micro_batch: int, hidden: int, n_layers:
 
 
 def _gpt(cfg: Any, mode: str, seed: int) -> nn.Module:
-    from dtlib.models.gpt import build_gpt
-
     return apply_recompute(build_gpt(cfg, seed=seed).train(), mode)
 
 
@@ -172,9 +171,6 @@ def measure_recompute_layer(cfg: Any, micro_batch: int, mode: str,
 
     Taught in: Chapter 12, "Recomputation".
     """
-    from dtlib.memory.measure import measure_activations
-    from dtlib.models.gpt import token_batch
-
     totals = []
     for n_layers in (cfg.n_layers, cfg.n_layers + 1):
         c = replace(cfg, n_layers=n_layers)
@@ -201,8 +197,6 @@ def measure_recompute_flops(cfg: Any, micro_batch: int, mode: str,
     Taught in: Chapter 12, "Recomputation".
     """
     from torch.utils.flop_counter import FlopCounterMode
-
-    from dtlib.models.gpt import token_batch
 
     idx, targets = token_batch(cfg, micro_batch, seed=seed)
     counts = []

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtlib.models.init import replay_init
 
 #: Attention cores of :class:`CausalSelfAttention` (``GPTConfig.attention``).
 ATTENTION = ("explicit", "sdpa")
@@ -164,8 +165,6 @@ class GPT(nn.Module):
 
         Taught in: Chapter 10, "Refuse what cannot fit".
         """
-        from dtlib.models.init import replay_init
-
         if self.cfg.tie_weights and self.head.weight is not self.tok_emb.weight:
             self.head.weight = self.tok_emb.weight  # to_empty allocates each anew
         recipe = meta_gpt(self.cfg)  # its module order = the generator's order

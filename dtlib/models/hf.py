@@ -31,6 +31,8 @@ import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
+from dtlib.models.init import replay_init, write_full
+
 __all__ = ["llama_config", "load_config", "build_hf_llama", "load_pretrained",
            "init_weights", "decoder_layers", "n_params"]
 
@@ -138,8 +140,6 @@ def init_weights(model: nn.Module, seed: int = 0,
     Taught in: Chapter 10, "Refuse what cannot fit".
     """
     from transformers import PreTrainedModel
-
-    from dtlib.models.init import replay_init, write_full
 
     if getattr(model.config, "tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings=True is not allowed here; allowed: an "

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
 from dtlib.collectives.cost_model import fit_alpha_beta, fit_distrust
-from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.planner.counts import flops_per_iteration
 from dtlib.planner.machine import Machine, monotone
 from dtlib.planner.specs import ModelSpec
 from dtlib.runtime import dist as ddist
@@ -73,9 +74,6 @@ def matmul_flops(m: int, k: int, n: int, windows: int = 5, seconds: float = 0.04
 def _model_flops(cfg: GPTConfig, batch: int, repeats: int = 3) -> float:
     """FLOP/s one process reaches on the GPT's own forward and backward (no
     optimizer step): the layers' efficiency beside the matmul roof."""
-    from dtlib.models.gpt import token_batch
-    from dtlib.planner.counts import flops_per_iteration
-
     dev = ddist.world().device
     model = build_gpt(cfg, seed=0).to(dev)
     idx, targets = token_batch(cfg, batch, seed=0, device=dev)

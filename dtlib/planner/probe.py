@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib.planner.measure import median_call_s, slowest
 from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
-from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.planner.counts import flops_per_iteration
+from dtlib.planner.measure import median_call_s, slowest
 from dtlib.planner.specs import ModelSpec
 from dtlib.runtime import dist as ddist
 
@@ -38,9 +39,6 @@ class Probe:
     AdamW, a 4 MiB buffer to copy, and a 1 MiB message for each collective."""
 
     def __init__(self, cfg: GPTConfig, global_batch: int) -> None:
-        from dtlib.models.gpt import token_batch
-        from dtlib.planner.counts import flops_per_iteration
-
         dev, rows = ddist.world().device, max(1, global_batch // dist.get_world_size())
         self.model = build_gpt(cfg, seed=0).to(dev)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-6)

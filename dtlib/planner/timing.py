@@ -23,15 +23,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtlib.planner.drift import drift_of, machine_at
-from dtlib.planner.measure import slowest
-from dtlib.planner.probe import Probe, probe_rate
+from dtlib import data_parallel, pipeline_parallel, tensor_parallel, zero
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
 from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd, TrainState,
                               run_steps)
-from dtlib.planner.specs import ModelSpec
+from dtlib.planner.drift import drift_of, machine_at
 from dtlib.planner.machine import Machine
+from dtlib.planner.measure import slowest
+from dtlib.planner.probe import Probe, probe_rate
+from dtlib.planner.specs import ModelSpec
 from dtlib.planner.step_time import Workload, predict
 from dtlib.runtime import dist as ddist
 
@@ -52,27 +53,23 @@ BAND = (0.75, 1.33)
 
 def _ddp(variant: str) -> Callable[[], Parallelism]:
     def make() -> Parallelism:
-        from dtlib.data_parallel import parallelism
-        return parallelism(variant, bucket_cap_mb=BUCKET_CAP_MB)
+        return data_parallel.parallelism(variant, bucket_cap_mb=BUCKET_CAP_MB)
     return make
 
 
 def _zero(stage: int, variant: str = "ours") -> Callable[[], Parallelism]:
     def make() -> Parallelism:
-        from dtlib.zero import parallelism
-        return parallelism(stage, variant=variant)
+        return zero.parallelism(stage, variant=variant)
     return make
 
 
 def _tp() -> Parallelism:
-    from dtlib.tensor_parallel import parallelism
-    return parallelism("ours")
+    return tensor_parallel.parallelism("ours")
 
 
 def _pipe(schedule: str) -> Callable[[], Parallelism]:
     def make() -> Parallelism:
-        from dtlib.pipeline_parallel import parallelism
-        return parallelism(schedule, N_MICRO)
+        return pipeline_parallel.parallelism(schedule, N_MICRO)
     return make
 
 

@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from dtlib.runtime import diagnose, worker
+from dtlib.runtime import diagnose, dist as ddist, worker
 from dtlib.runtime.supervise import (CollectiveMismatch, LaunchError, LaunchResult,
-                                    LaunchTimeout, Supervisor, kill_tree,
-                                    threads_per_rank)
+                                     LaunchTimeout, Supervisor, kill_tree,
+                                     threads_per_rank)
 
 __all__ = ["torchrun", "spawn", "spawn_script", "default_nproc", "LaunchError",
            "LaunchTimeout", "LaunchInterrupted", "CollectiveMismatch",
@@ -208,7 +208,6 @@ def _spawn_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int,
                       DTLIB_LOG_DIR=log_dir)
     worker.prepare(log_dir, rank)
     torch.set_num_threads(threads_per_rank(world_size))
-    from dtlib.runtime import dist as ddist
 
     if fn is _run_script:  # the script's own init() marks the join (_run_script)
         os.environ["DTLIB_JOINED_MARK"] = "group"

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
+from dtlib.memory.measure import gpt_layer_activation_terms
 from dtlib.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dtlib.tensor_parallel.mappings import tp_rank, tp_size
 
@@ -298,8 +299,6 @@ def block_activation_terms(seq_len: int, micro_batch: int, hidden: int, n_heads:
 
     Taught in: Chapter 12, "Sequence parallelism".
     """
-    from dtlib.memory.measure import gpt_layer_activation_terms
-
     if not isinstance(tp, int) or tp < 1 or n_heads % tp or seq_len % tp:
         raise ValueError(f"tp={tp!r} must be a positive integer dividing "
                          f"n_heads={n_heads} and seq_len={seq_len}")

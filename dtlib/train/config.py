@@ -19,6 +19,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Sequence
 
 from dtlib.models.optimizers import OPTIMIZERS
+from dtlib.train.data import TokenWindows, held_out_split
+from dtlib.train.tokens import open_tokens
 
 #: ``--strategy``: the keys of :data:`dtlib.train.strategies.STRATEGIES`.
 STRATEGY_NAMES = ("ddp", "fsdp")
@@ -432,8 +434,6 @@ def check_data(cfg: TrainConfig, batch: int) -> None:
 
     Taught in: Chapter 10, "Real token files".
     """
-    from dtlib.train.data import TokenWindows, held_out_split
-    from dtlib.train.tokens import open_tokens
 
     tokens, meta = open_tokens(cfg.data)  # a missing or truncated tokens.bin
     if meta["vocab_size"] > cfg.vocab_size:

@@ -39,6 +39,8 @@ import torch
 import dtlib
 from dtlib.checkpoint.state import list_checkpoint_dirs, list_checkpoints, step_of
 from dtlib.train.config import CARE_NAMES, OPTIMIZERS, TrainConfig
+from dtlib.train.model import hf_config
+from dtlib.train.tokens import TOKENS, read_meta
 
 __all__ = ["IDENTITY", "RULES", "Refusal", "run_identity", "fingerprint", "compare",
            "Comparison", "check_directory", "read_identity", "step_dirs",
@@ -102,7 +104,6 @@ def data_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     """
     if cfg.data is None:
         return {"kind": "synthetic", "samples": cfg.dataset_size}
-    from dtlib.train.tokens import TOKENS, read_meta
 
     meta = read_meta(cfg.data)
     path = os.path.join(cfg.data, TOKENS)
@@ -123,7 +124,6 @@ def _model_shape(cfg: TrainConfig) -> dict[str, Any] | None:
     """A Hugging Face model from a config file: the shape that file gives."""
     if cfg.model != "hf-llama" or not (cfg.model_config or cfg.init_from):
         return None
-    from dtlib.train.model import hf_config
 
     config = hf_config(cfg)
     keys = ("num_hidden_layers", "hidden_size", "num_attention_heads",

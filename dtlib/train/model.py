@@ -73,7 +73,7 @@ def build_model(cfg: TrainConfig, meta: bool = False) -> nn.Module:
         if meta:  # shapes only: init_model writes the seeded values later
             return apply_recompute(copy.deepcopy(meta_gpt(gcfg)), cfg.recompute)
         return apply_recompute(build_gpt(gcfg, seed=cfg.seed), cfg.recompute)
-    from dtlib.models import hf
+    from dtlib.models import hf  # needs transformers (the .[hf] extra)
 
     config = hf_config(cfg)
     if meta:
@@ -125,7 +125,7 @@ def init_model(model: nn.Module, cfg: TrainConfig,
     if cfg.model == "gpt":
         model.init_weights(cfg.seed, probe=probe)
         return
-    from dtlib.models import hf
+    from dtlib.models import hf  # needs transformers (the .[hf] extra)
 
     hf.init_weights(model, cfg.seed, probe=probe)
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.data_parallel.parallelism import rows_of_rank
-from dtlib.models.run import (Batch, Callback, Parallelism, full_tensor,
-                              tensors_by_name)
+from dtlib.models.run import Batch, Callback, Parallelism, full_tensor, tensors_by_name
+from dtlib.runtime.dist import world
 from dtlib.zero.fsdp import (MixedPrecisionPolicy, fsdp_state_bytes, gradient_sync,
                              shard_fsdp2)
 from dtlib.zero.optimizer import ShardedOptimizer
@@ -137,8 +137,6 @@ class FSDP2Parallelism(_DataParallelRows):
                  reshard_after_forward: bool = True) -> None:
         if mesh is None and group is not None:
             from torch.distributed.device_mesh import DeviceMesh
-
-            from dtlib.runtime.dist import world
 
             mesh = DeviceMesh.from_group(group, world().device.type)
         super().__init__(mesh.get_group() if mesh is not None else group)

@@ -15,6 +15,7 @@ import io
 from dataclasses import replace
 from typing import Any
 
+from dtlib.chapters.tables import Table
 from dtlib.memory.formulas import GB, TrainingConfig, estimate
 
 # GPT-3 sizes from Brown et al. 2020, Table 2.1 (V = 50257, s = 2048). The table
@@ -199,8 +200,6 @@ def preset_table(configs: dict[str, TrainingConfig], device_gb: float = 80.0) ->
 
     Taught in: Chapter 1, the planner.
     """
-    from dtlib.chapters.tables import Table
-
     if not configs:
         raise ValueError("configs is empty: give at least one labelled TrainingConfig")
     rows = []

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dtlib.collectives import cost_model as comm_cost
+
 PRIMITIVES = ("broadcast", "reduce", "all_reduce", "gather", "scatter", "all_gather",
               "reduce_scatter", "all_to_all", "send/recv", "barrier")
 
@@ -136,8 +138,6 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
                fits: list[dict] | None = None) -> Any:
     """Bus bandwidth against message size, torch vs ring, with the fitted model."""
     import matplotlib.pyplot as plt
-
-    from dtlib.collectives import cost_model as comm_cost
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for variant, marker in (("torch", "o"), ("ring", "s")):

@@ -12,6 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtlib.collectives.accounting import count_comms
+from dtlib.collectives.algorithms import (all_gather_into, reduce_scatter_into,
+                                          ring_all_reduce_trace)
+from dtlib.models.gpt import MLP
 from dtlib.runtime.dist import world
 
 __all__ = ["primitive_states", "training_step_comms", "ring_trace_states"]
@@ -33,8 +37,6 @@ def primitive_states() -> dict[str, tuple[list[int] | None, list[int] | None]]:
 
     Taught in: Chapter 2, "Every primitive".
     """
-    from dtlib.collectives.algorithms import all_gather_into, reduce_scatter_into
-
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = world().device  # NCCL only moves tensors that live on the rank's GPU
     out: dict[str, Any] = {}
@@ -111,9 +113,6 @@ def training_step_comms(sizes: tuple[int, ...] = (16, 64, 64, 7)) -> dict[str, A
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from dtlib.collectives.accounting import count_comms
-    from dtlib.models.gpt import MLP
-
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
@@ -147,8 +146,6 @@ def ring_trace_states(numel_per_chunk: int = 1) -> list[list[int]]:
 
     Taught in: Chapter 2, "Ring all-reduce".
     """
-    from dtlib.collectives.algorithms import ring_all_reduce_trace
-
     rank, n = dist.get_rank(), dist.get_world_size()
     t = torch.full((n * numel_per_chunk,), 10 ** rank, dtype=torch.int64,
                    device=world().device)

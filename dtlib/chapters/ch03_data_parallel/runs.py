@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.collectives.accounting import CountComms, count_comms
 from dtlib.data_parallel import VARIANTS, parallelism
 from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-from dtlib.models.reference import gpt_batches, grads_of
-from dtlib.models.reference import reference_gpt_run
+from dtlib.models.reference import gpt_batches, grads_of, reference_gpt_run
 from dtlib.models.run import (OnStepEnd, RunConfig, RunResult, TrainState, gpt_loss,
                               run_steps)
 from dtlib.models.sizes import size
@@ -125,8 +125,6 @@ def measure_step(cfg: GPTConfig, variant: str, micro_batch: int, steps: int = 10
 
     Taught in: Chapter 3, "Counting the messages".
     """
-    from dtlib.collectives.accounting import CountComms
-
     world = ddist.world()
     warmup = max(1, warmup)
     par = parallelism(variant, bucket_cap_mb=bucket_cap_mb)
@@ -187,8 +185,6 @@ def accumulation_comms(cfg: GPTConfig, micro_batch: int, accum_steps: int,
     Taught in: Chapter 3, "no_sync and gradient accumulation".
     """
     from contextlib import nullcontext
-
-    from dtlib.collectives.accounting import count_comms
 
     world = ddist.world()
     model = wrap(build_gpt(cfg).to(world.device), variant)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from dtlib.memory.formulas import model_state_bytes
+
 
 def plot_stage_memory_vs_world(n_params: int, world_sizes: Sequence[int],
                                precision: str = "mixed", ax: Any = None) -> Any:
     """Predicted per-device model-state GB against the number of ranks, stages 0-3."""
     import matplotlib.pyplot as plt
-
-    from dtlib.memory.formulas import model_state_bytes
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.6))

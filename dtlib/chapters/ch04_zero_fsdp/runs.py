@@ -21,11 +21,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtlib.collectives.accounting import count_comms
 from dtlib.models import optimizers
-from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd,
-                              TrainState, run_steps)
+from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
+from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd, TrainState,
+                              run_steps)
 from dtlib.runtime.dist import world
-from dtlib.zero import no_decay_groups, parallelism
+from dtlib.zero import no_decay_groups, parallelism, zero_comm_elements
 
 __all__ = ["TinyMoE", "ROUTINGS", "WEIGHT_DECAY", "optimizer_of",
            "route", "moe_batch", "moe_reference", "moe_rank", "moe_demo_rank",
@@ -228,10 +230,6 @@ def fsdp2_reshard_traffic(gpt: dict[str, int], micro_batch: int = 2
     Taught in: Chapter 4, "FSDP2".
     """
     from torch.distributed.fsdp import fully_shard
-
-    from dtlib.collectives.accounting import count_comms
-    from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
-    from dtlib.zero import zero_comm_elements
 
     cfg, w = GPTConfig(**gpt), world()
     out: dict[str, dict[str, float]] = {}

@@ -27,6 +27,7 @@ from dtlib.accumulation.micro_batches import (IGNORE_INDEX, MicroBatch,
                                               token_loss_sum, train_epoch)
 from dtlib.chapters.ch03_data_parallel.runs import TINY
 from dtlib.chapters.ch08_gradient_accumulation.seed import seed_accumulate
+from dtlib.collectives.accounting import count_comms
 from dtlib.data_parallel import DataParallelism
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import grads_of, reference_run
@@ -173,8 +174,6 @@ def _counted(step_fn: Callable[..., torch.Tensor], extra: dict[str, list[int]]
              ) -> Callable[..., torch.Tensor]:
     """``step_fn`` under the accounting: per step, gradient all-reduces (a bucket is
     never one element) and token-count all-reduces (always one element)."""
-    from dtlib.collectives.accounting import count_comms
-
     def step(par: Parallelism, wrapped: nn.Module, batch: list[MicroBatch],
              loss_fn: Any, scaler: Any = None) -> torch.Tensor:
         with count_comms() as log:
