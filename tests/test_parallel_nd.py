@@ -281,3 +281,28 @@ def test_3d_dp_pp_tp_on_8_ranks(truth):
         compare(out, truth["pipeline"], PIPELINE, 2, f"rank {rank}")
     for out in res:  # every dimension carried traffic, none went elsewhere
         assert set(comm_by_dim(out)) == {"dp", "pp", "tp"}
+
+
+def test_parallel_dims_owns_the_degrees() -> None:
+    """One place validates the degrees: each bad one named, the product must fill
+    the world, a layout must name every degree above 1, and each layout name
+    stands for the degree it says."""
+    from dtlib.parallel_nd import ParallelDims
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=8)
+    assert dims.dp == 4
+    assert dims.sizes(("replicate", "shard", "tp")) == (2, 2, 2)
+    assert dims.sizes(("dp", "tp")) == (4, 2)
+    with pytest.raises(ValueError, match=r"leave tp=2 out of the layout"):
+        dims.sizes(("dp",))
+    with pytest.raises(ValueError, match=r"= 8, not the world size 6"):
+        ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=6)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"^tp=.* must be an integer >= 1"):
+            ParallelDims(tp=bad, world_size=1)
+    with pytest.raises(ValueError, match=r"ep=3 must divide .* dp=4"):
+        ParallelDims(dp_shard=4, ep=3, world_size=4)
+    experts = ParallelDims(dp_shard=4, ep=2, world_size=4)
+    assert experts.sizes(("edp", "ep")) == (2, 2)
+    with pytest.raises(ValueError, match=r"dimension 'xp' is not one of"):
+        experts.size("xp")

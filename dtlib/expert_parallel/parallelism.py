@@ -32,7 +32,7 @@ from dtlib.data_parallel.parallelism import rows_of_rank
 from dtlib.expert_parallel.gpt import MoEBlock
 from dtlib.expert_parallel.layer import ExpertParallelMoE
 from dtlib.models.run import Batch, Parallelism, tensors_by_name, unwrap
-from dtlib.parallel_nd.grid import build_grid_groups
+from dtlib.parallel_nd.dims import ParallelDims
 
 __all__ = ["ExpertParallel", "parallelism", "expert_params", "dense_params"]
 
@@ -83,7 +83,7 @@ class ExpertParallel(Parallelism):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field_name}={value!r} must be a positive integer")
         self.ep, self.world_size = ep, ep * edp
-        self.grid = build_grid_groups(("edp", "ep"), (edp, ep))
+        self.grid = ParallelDims(dp_shard=ep * edp, ep=ep).grid(("edp", "ep"))
         self.ep_group, self.edp_group = self.grid.groups["ep"], self.grid.groups["edp"]
         self.dp_group, self.dp_size, self.edp = None, self.world_size, edp
         self.rank = dist.get_rank()

@@ -1,5 +1,7 @@
 """Chapter 11: parallelism in several dimensions.
 
+- :mod:`~dtlib.parallel_nd.dims`: :class:`ParallelDims`, the one owner of the
+  degrees: validated once, and the mesh or grid built from them.
 - :mod:`~dtlib.parallel_nd.grid`: a rank grid ``arange(world).view(dp, tp)`` and
   one process group per line of it (the teaching device mesh).
 - :mod:`~dtlib.parallel_nd.compose`: our tensor parallel inside our data parallel;
@@ -16,9 +18,11 @@ from __future__ import annotations
 from dtlib.parallel_nd.compose import (average_across_replicas,
                                        fsdp_pipeline_stage, fsdp_tp, hsdp,
                                        pipeline_stage_of, tp_inside_dp)
+from dtlib.parallel_nd.dims import DIM_NAMES, ParallelDims
 from dtlib.parallel_nd.grid import GridGroups, build_grid_groups, lines_along, rank_grid
 from dtlib.parallel_nd.parallelism import LAYOUTS, parallelism
 
-__all__ = ["rank_grid", "lines_along", "GridGroups", "build_grid_groups",
+__all__ = ["ParallelDims", "DIM_NAMES", "rank_grid", "lines_along", "GridGroups",
+           "build_grid_groups",
            "tp_inside_dp", "fsdp_tp", "hsdp", "pipeline_stage_of",
            "average_across_replicas", "fsdp_pipeline_stage", "LAYOUTS", "parallelism"]

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from dtlib import data_parallel, parallel_nd, zero
 from dtlib.models.run import Parallelism
+from dtlib.parallel_nd.dims import ParallelDims
 from dtlib.runtime import dist as ddist
 from dtlib.train.config import TrainConfig
 from dtlib.train.model import logits_of
@@ -65,10 +66,9 @@ def _fsdp(cfg: TrainConfig, world: ddist.World) -> Parallelism:
     if cfg.tp == 1:
         return zero.parallelism(3, variant="fsdp2", mp_policy=policy)
     # --tp: a (dp, tp) mesh, DTensor TP inside each row, FSDP2 across (Chapter 11).
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(world.device.type, (world.world_size // cfg.tp, cfg.tp),
-                            mesh_dim_names=("dp", "tp"))
+    dims = ParallelDims(dp_shard=world.world_size // cfg.tp, tp=cfg.tp,
+                        world_size=world.world_size)
+    mesh = dims.mesh(("dp", "tp"), world.device.type)
     return parallel_nd.parallelism("fsdp_tp", mesh=mesh, mp_policy=policy)
 
 

@@ -34,7 +34,7 @@ from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches, reference_gpt_run
 from dtlib.models.run import Parallelism, RunConfig, TrainState, local_tensor, run_steps
 from dtlib.models.sizes import size
-from dtlib.parallel_nd import build_grid_groups, parallelism
+from dtlib.parallel_nd import ParallelDims, parallelism
 from dtlib.runtime import dist as ddist
 
 TINY = size("tiny")
@@ -96,12 +96,6 @@ def train(par: Parallelism, cfg: GPTConfig, batch: int, steps: int,
             "local_names": [n for n, _ in wrapped.named_parameters()]}
 
 
-def _mesh(sizes: tuple[int, int], names: tuple[str, str]) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(ddist.world().device.type, sizes, mesh_dim_names=names)
-
-
 def _mesh_groups(mesh: Any) -> dict[str, tuple[int, ...]]:
     return {d: tuple(dist.get_process_group_ranks(mesh[d].get_group()))
             for d in mesh.mesh_dim_names}
@@ -124,11 +118,11 @@ def train_2d(variant: str, dp: int, tp: int, cfg: GPTConfig = TINY, batch: int =
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     if variant == "ours":
-        grid = build_grid_groups(("dp", "tp"), (dp, tp))
+        grid = ParallelDims(dp_shard=dp, tp=tp).grid(("dp", "tp"))
         out = train(parallelism("tp_dp", grid=grid), cfg, batch, steps, lr, seed)
         out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
         return out
-    mesh = _mesh((dp, tp), ("dp", "tp"))
+    mesh = ParallelDims(dp_shard=dp, tp=tp).mesh(("dp", "tp"))
     out = train(parallelism("fsdp_tp", mesh=mesh), cfg, batch, steps, lr, seed)
     out["groups"] = _mesh_groups(mesh)
     return out
@@ -143,7 +137,8 @@ def train_hsdp(replicate: int, shard: int, cfg: GPTConfig = TINY, batch: int = 8
 
     Taught in: Chapter 11, "HSDP: shard inside, replicate across".
     """
-    mesh = _mesh((replicate, shard), ("replicate", "shard"))
+    mesh = ParallelDims(dp_replicate=replicate, dp_shard=shard).mesh(
+        ("replicate", "shard"))
     out = train(parallelism("hsdp", mesh=mesh), cfg, batch, steps, lr, seed)
     out["groups"] = _mesh_groups(mesh)
     return out
@@ -176,7 +171,7 @@ def train_fsdp_pp(dp: int, pp: int, cfg: GPTConfig = PIPELINE, batch: int = 8,
 
     Taught in: Chapter 11, "Pipeline inside, data parallel across".
     """
-    mesh = _mesh((dp, pp), ("dp", "pp"))
+    mesh = ParallelDims(dp_shard=dp, pp=pp).mesh(("dp", "pp"))
     par = parallelism("fsdp_pp", mesh=mesh, schedule="1f1b", n_micro=n_microbatches)
     out = train(par, cfg, batch, steps, lr, seed)
     out["groups"] = _mesh_groups(mesh)
@@ -197,9 +192,8 @@ def train_3d(dp: int, pp: int, tp: int, cfg: GPTConfig = PIPELINE, batch: int = 
 
     Taught in: Chapter 11, "Three dimensions".
     """
-    names, sizes = (("dp", "pp", "tp"), (dp, pp, tp)) if tp > 1 else \
-        (("dp", "pp"), (dp, pp))
-    grid = build_grid_groups(names, sizes)
+    names = ("dp", "pp", "tp") if tp > 1 else ("dp", "pp")
+    grid = ParallelDims(dp_shard=dp, pp=pp, tp=tp).grid(names)
     par = parallelism("pp_dp", grid=grid, schedule="1f1b", n_micro=n_microbatches)
     out = train(par, cfg, batch, steps, lr, seed)
     out["groups"] = {k: tuple(v) for k, v in grid.ranks.items()}
