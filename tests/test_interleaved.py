@@ -94,3 +94,7 @@ def test_a_schedule_names_the_stages_a_rank_may_hold() -> None:
         parallelism("zb-v", 4, variant="torch", chunks=3)
     with pytest.raises(ValueError, match="schedule='zb-v' with variant='ours'"):
         parallelism("zb-v", 4)
+    # one process: 2 stages in the V, so DualPipeV needs 2 micro-batches
+    with pytest.raises(ValueError, match="n_micro=1 with schedule='dualpipev'"):
+        parallelism("dualpipev", 1, variant="torch", chunks=2).apply(
+            build_gpt(GPTConfig(**PP_GPT), seed=0))

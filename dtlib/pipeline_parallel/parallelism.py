@@ -91,8 +91,8 @@ class StagePlan:
     n_stages: int
     stage_names: list[list[str]]
     torch_schedule: Any = None
-    first: bool = False  # this rank feeds the inputs (torch's schedules)
-    last_rank: int = 0  # the rank whose stage computes the loss (torch's schedules)
+    first: bool = False  # this rank holds the first stage (it feeds the inputs)
+    last_rank: int = 0  # the rank whose stage computes the loss
 
 
 class PipelineParallel(Parallelism):
@@ -172,12 +172,12 @@ class PipelineParallel(Parallelism):
         shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
         rank, n_stages = _in_group(self.group)
         model = self.prepare(model)
-        if self.chunks > 1 or self.variant == "torch" and \
-                TORCH_SCHEDULES[self.schedule][1] != 1:
+        if self.variant == "torch" and TORCH_SCHEDULES[self.schedule][1] != 1:
             return self._torch_stages(model, shapes, rank, n_stages)
         stages = split_gpt(model, n_stages, self.layers_per_stage)
         plan = StagePlan(model.cfg, shapes, rank, n_stages,
-                         [[n for n, _ in s.named_parameters()] for s in stages])
+                         [[n for n, _ in s.named_parameters()] for s in stages],
+                         first=rank == 0, last_rank=n_stages - 1)
         if self.variant == "ours":
             stage = self.wrap_stage(stages[rank])
         else:
@@ -255,7 +255,6 @@ class PipelineParallel(Parallelism):
             stage = pstage.submod
 
         plan.torch_schedule = self._schedule(self._torch_schedule_class(), pstage)
-        plan.first, plan.last_rank = plan.rank == 0, plan.n_stages - 1
         return stage
 
     def check_accumulation(self, micro_batches: int) -> None:
@@ -279,8 +278,7 @@ class PipelineParallel(Parallelism):
         idx, targets = batch
         plan = self.plan(wrapped)
         self.scale = scale
-        last = plan.rank == (plan.last_rank if self.variant != "ours"
-                             else plan.n_stages - 1)
+        last = plan.rank == plan.last_rank
         if self.variant == "ours":
             shape = (idx.shape[0] // self.n_micro, idx.shape[1], plan.cfg.hidden)
             res = pipeline_step(wrapped, idx, targets, n_microbatches=self.n_micro,

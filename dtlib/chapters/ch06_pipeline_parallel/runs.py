@@ -78,8 +78,9 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
     stage = par.apply(build_gpt(cfg, seed=0).to(device))
     res = run_steps(par, None, gpt_batches(cfg, batch, device), config,
                     TrainState(stage))
+    plan = par.plan(stage)
     out = {"losses": res.losses, "grads": res.grads, "params": res.params,
-           "names": par.plan(stage).stage_names[par.plan(stage).rank]}
+           "names": plan.stage_names[plan.rank]}
     if par.last_step is not None:
         out["peak_in_flight"] = par.last_step.peak_in_flight
         out["events"] = par.last_step.events
