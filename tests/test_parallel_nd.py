@@ -26,8 +26,10 @@ from dtlib.models.run import Parallelism, RunConfig, run_steps
 from dtlib.data_parallel import rows_of_rank
 from dtlib.parallel_nd import (build_grid_groups, lines_along,
                                parallelism, rank_grid)
-from dtlib.parallel_nd.parallelism import PpDp, TpDp
-from dtlib.pipeline_parallel import PipelineParallel
+from dtlib.parallel_nd.parallelism import layout_parts
+from dtlib.parallel_nd.parts import (AverageAfterBackward, Composed, DataPart,
+                                     Fsdp2, OurDataParallel, OurTensorParallel,
+                                     Pipeline)
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 
@@ -112,27 +114,32 @@ def test_factory_rejects_bad_arguments():
         parallelism("tp_dp", grid=None)
 
 
-class ForgetsTheAverage(PpDp):
-    """A planted defect: each replica keeps its own rows' gradients."""
-
-    def forward_backward(self, wrapped, batch, loss_fn, scale=1.0, scaler=None):
-        return PipelineParallel.forward_backward(self, wrapped, batch, loss_fn,
-                                                 scale, scaler)
+class ForgetsTheAverage(DataPart):
+    """A planted defect: each replica trains on its rows and keeps their gradients."""
 
 
-class SameRows(TpDp):
+class SameRows(OurDataParallel):
     """A planted defect: every replica trains on replica 0's rows."""
 
-    def local_batch(self, batch):
-        return rows_of_rank(batch, 0, self.dp_size)
+    def rows(self, batch):
+        return rows_of_rank(batch, 0, self.size)
+
+
+def planted(layout: str, grid, defect: type, **kwargs) -> Composed:
+    """``layout``'s parts with its data part replaced by ``defect`` on the same
+    group, coordinate and size."""
+    parts = layout_parts(layout, grid=grid, **kwargs)
+    return Composed([defect(p.group, p.coord, p.size, p.label)
+                     if isinstance(p, DataPart) else p for p in parts])
 
 
 def defects() -> dict:
     """On 4 ranks: the planted defects, each trained as its layout is."""
     grid = build_grid_groups(("dp", "pp"), (2, 2))
-    forgets = train(ForgetsTheAverage(grid, "1f1b", 2), PIPELINE, BATCH, STEPS)
+    forgets = train(planted("pp_dp", grid, ForgetsTheAverage, n_micro=2), PIPELINE,
+                    BATCH, STEPS)
     grid = build_grid_groups(("dp", "tp"), (2, 2))
-    same = train(SameRows(grid), TINY, BATCH, STEPS)
+    same = train(planted("tp_dp", grid, SameRows), TINY, BATCH, STEPS)
     return {"forgets_average": forgets, "same_rows": same}
 
 
@@ -164,12 +171,26 @@ def clipped() -> dict:
                                  PIPELINE)}
 
 
+def new_list() -> dict:
+    """On 4 ranks: a combination no layout names, written as its list of parts:
+    our Megatron layers on ``mesh["tp"]``'s group, then FSDP2 on ``mesh["dp"]``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(world().device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"]
+    par = Composed([OurTensorParallel(mesh["tp"].get_group(), 2),
+                    Fsdp2(dp, dp.get_local_rank(), dp.size(), "fsdp2")])
+    return train(par, TINY, BATCH, STEPS)
+
+
 def all_runs(dp: int, inner: int) -> dict:
-    """On every rank: every 2-D layout; on 4 ranks the defects and clipping too."""
+    """On every rank: every 2-D layout; on 4 ranks the defects, clipping and a new
+    list of parts too."""
     out = {"layouts": all_layouts(dp, inner, TINY, BATCH, STEPS)}
     if dist.get_world_size() == 4:
         out["defects"] = defects()
         out["clipped"] = clipped()
+        out["new_list"] = new_list()
     return out
 
 
@@ -247,6 +268,27 @@ def test_bytes_per_dimension(launched, dp, tp):
         if dp > 1:
             assert by_dim["dp"]["reduce_scatter"] == grads
             assert by_dim["dp"]["all_gather"] > 2 * grads
+
+
+def test_a_new_combination_is_a_new_list(truth, launched):
+    """Our tensor parallel under FSDP2 is no layout of the factory: its parts,
+    applied in order, train as one process does."""
+    for rank, r in enumerate(launched(2, 2)):
+        compare(r["new_list"], truth["gpt"], TINY, 2, f"our tp in fsdp2 rank {rank}")
+
+
+def test_parts_that_cannot_compose_are_refused():
+    a = AverageAfterBackward(None, 0, 2, "dp2")
+    pipe = Pipeline(None, 2, "1f1b", 2)
+    with pytest.raises(ValueError, match="at most one data part"):
+        Composed([a, AverageAfterBackward(None, 0, 2, "dp2")])
+    with pytest.raises(ValueError, match="data part must come after the Pipeline"):
+        Composed([a, pipe])
+    with pytest.raises(ValueError, match="non-empty list of Part"):
+        Composed([])
+    with pytest.raises(ValueError, match="clipping is not implemented for tp2xpp2"):
+        Composed([OurTensorParallel(None, 2), pipe]).clip_grad_norm(
+            torch.nn.Linear(2, 2), 1.0)
 
 
 def test_tolerances_catch_planted_defects(truth, launched):

@@ -98,10 +98,11 @@ class StagePlan:
 class PipelineParallel(Parallelism):
     """One stage per rank of ``group``, trained by a schedule; see :func:`parallelism`.
 
-    Subclasses (Chapter 11) change what happens around the split through three
-    hooks: :meth:`prepare` (the whole model, before the split), :meth:`wrap_stage`
-    (this rank's stage, after it) and :meth:`stage_state` (this stage's full
-    tensors).
+    Chapter 11's layouts change what happens around the cut through three
+    functions given to the constructor: ``prepare`` (the whole model, before the
+    cut: e.g. our tensor parallel), ``wrap_stage`` (this rank's stage, after it:
+    e.g. FSDP2) and ``stage_state`` (this stage's full tensors by name); see
+    :class:`~dtlib.parallel_nd.parts.Composed`.
     """
 
     def __init__(self, schedule: str = "1f1b", n_micro: int = 1, *,
@@ -109,7 +110,11 @@ class PipelineParallel(Parallelism):
                  layers_per_stage: Sequence[int] | None = None,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
                  micro_batch: int | None = None,
-                 act_dtype: torch.dtype = torch.float32, chunks: int = 1) -> None:
+                 act_dtype: torch.dtype = torch.float32, chunks: int = 1,
+                 prepare: Callable[[GPT], GPT] | None = None,
+                 wrap_stage: Callable[[nn.Module], nn.Module] | None = None,
+                 stage_state: Callable[[nn.Module, bool], dict[str, torch.Tensor]]
+                 | None = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
         allowed = tuple(TORCH_SCHEDULES) if variant == "torch" else SCHEDULES
@@ -137,6 +142,8 @@ class PipelineParallel(Parallelism):
         self.last_step: StepResult | None = None
         self._plans: weakref.WeakKeyDictionary[nn.Module, StagePlan] = \
             weakref.WeakKeyDictionary()
+        self._prepare, self._wrap_stage = prepare, wrap_stage
+        self._stage_state = stage_state
 
     def plan(self, wrapped: nn.Module) -> StagePlan:
         """The :class:`StagePlan` of a stage this Parallelism's ``apply`` returned."""
@@ -149,15 +156,20 @@ class PipelineParallel(Parallelism):
     # ---- hooks -------------------------------------------------------------------
 
     def prepare(self, model: GPT) -> GPT:
-        """The whole model before it is cut (identity; Chapter 11 splits layers)."""
-        return model
+        """The whole model before it is cut (the constructor's ``prepare``, or
+        identity)."""
+        return self._prepare(model) if self._prepare is not None else model
 
     def wrap_stage(self, stage: nn.Module) -> nn.Module:
-        """This rank's stage after the cut (identity; Chapter 11 shards it)."""
-        return stage
+        """This rank's stage after the cut (the constructor's ``wrap_stage``, or
+        identity)."""
+        return self._wrap_stage(stage) if self._wrap_stage is not None else stage
 
     def stage_state(self, stage: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
-        """This stage's full parameters (or gradients) by name, CPU copies."""
+        """This stage's full parameters (or gradients) by name, CPU copies (the
+        constructor's ``stage_state``, or each tensor as it is)."""
+        if self._stage_state is not None:
+            return self._stage_state(stage, grads)
         return tensors_by_name(stage, grads=grads)
 
     # ---- the Parallelism ---------------------------------------------------------
