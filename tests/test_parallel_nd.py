@@ -282,6 +282,8 @@ def test_parts_that_cannot_compose_are_refused():
     pipe = Pipeline(None, 2, "1f1b", 2)
     with pytest.raises(ValueError, match="at most one data part"):
         Composed([a, AverageAfterBackward(None, 0, 2, "dp2")])
+    with pytest.raises(ValueError, match="one tensor part"):
+        Composed([OurTensorParallel(None, 2), OurTensorParallel(None, 2)])
     with pytest.raises(ValueError, match="data part must come after the Pipeline"):
         Composed([a, pipe])
     with pytest.raises(ValueError, match="non-empty list of Part"):

@@ -22,9 +22,10 @@ from dtlib.parallel_nd.grid import GridGroups, build_grid_groups, lines_along, r
 from dtlib.parallel_nd.parallelism import LAYOUTS, layout_parts, parallelism
 from dtlib.parallel_nd.parts import (AverageAfterBackward, Composed, DataPart, Fsdp2,
                                      OurDataParallel, OurTensorParallel, Part,
-                                     Pipeline, TorchTensorParallel)
+                                     Pipeline, TensorPart, TorchTensorParallel)
 
 __all__ = ["ParallelDims", "DIM_NAMES", "rank_grid", "lines_along", "GridGroups",
-           "build_grid_groups", "Part", "DataPart", "OurTensorParallel",
+           "build_grid_groups", "Part", "DataPart", "TensorPart",
+           "OurTensorParallel",
            "TorchTensorParallel", "OurDataParallel", "Fsdp2", "AverageAfterBackward",
            "Pipeline", "Composed", "LAYOUTS", "layout_parts", "parallelism"]

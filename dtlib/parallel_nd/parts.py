@@ -8,8 +8,8 @@ Parallelism:
   trains on and how gradients are synchronised across its ranks: our DataParallel
   (:class:`OurDataParallel`), FSDP2 (:class:`Fsdp2`), or our average after a
   pipeline's schedule (:class:`AverageAfterBackward`);
-- a *tensor* part splits layers and gathers the slices back to full size:
-  :class:`OurTensorParallel` (Chapter 5's Megatron layers on a group) or
+- a *tensor* part (:class:`TensorPart`) splits layers and gathers the slices back
+  to full size: :class:`OurTensorParallel` (Chapter 5's Megatron layers on a group) or
   :class:`TorchTensorParallel` (DTensor on a mesh dimension);
 - a :class:`Pipeline` part cuts the model: the parts before it apply to the whole
   model, the parts after it to this rank's stage, and its schedule runs forward and
@@ -42,7 +42,8 @@ from dtlib.tensor_parallel.gpt import (dtensor_parallelize, full_tensors,
                                        tensor_parallelize)
 from dtlib.zero.fsdp import gradient_sync, shard_fsdp2
 
-__all__ = ["Part", "DataPart", "OurTensorParallel", "TorchTensorParallel",
+__all__ = ["Part", "DataPart", "TensorPart", "OurTensorParallel",
+           "TorchTensorParallel",
            "OurDataParallel", "Fsdp2", "AverageAfterBackward", "Pipeline",
            "Composed"]
 
@@ -61,9 +62,13 @@ class Part:
         """Split, wrap or shard ``model`` (what the parts before it produced)."""
         return model
 
-    def gather(self, module: nn.Module, grads: bool) -> dict[str, torch.Tensor] | None:
-        """Full tensors by name, if this part splits them (else None)."""
-        return None
+
+class TensorPart(Part):
+    """A dimension that splits layers across its ranks, and gathers them back."""
+
+    def gather(self, module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+        """Full tensors (or gradients) by name, CPU copies, on every rank."""
+        raise NotImplementedError
 
 
 class DataPart(Part):
@@ -85,7 +90,7 @@ class DataPart(Part):
         """What runs after each forward and backward (nothing: the wrapper syncs)."""
 
 
-class OurTensorParallel(Part):
+class OurTensorParallel(TensorPart):
     """Chapter 5's Megatron layers on the tp ``group`` of ``size`` ranks."""
 
     clip_refusal = ("the norm of a split layer needs its tp group, and our "
@@ -102,7 +107,7 @@ class OurTensorParallel(Part):
         return full_tensors(unwrap(module), group=self.group, grads=grads)
 
 
-class TorchTensorParallel(Part):
+class TorchTensorParallel(TensorPart):
     """torch's DTensor tensor parallel (``parallelize_module``) on ``mesh``."""
 
     dtensor_params = True
@@ -193,7 +198,7 @@ class Composed(Parallelism):
     """A Parallelism that is its ``parts``, applied to the model in order.
 
     At most one part of each role: one :class:`DataPart` (none: every rank trains on
-    the whole batch), one part that gathers split tensors, one :class:`Pipeline`
+    the whole batch), one :class:`TensorPart`, one :class:`Pipeline`
     (with the data part after it: the data part works on stages). A list that
     breaks these rules is refused, naming the parts.
 
@@ -209,8 +214,7 @@ class Composed(Parallelism):
         kinds = [type(p).__name__ for p in self.parts]
         data = [p for p in self.parts if isinstance(p, DataPart)]
         pipes = [i for i, p in enumerate(self.parts) if isinstance(p, Pipeline)]
-        gatherers = [p for p in self.parts
-                     if isinstance(p, (OurTensorParallel, TorchTensorParallel))]
+        gatherers = [p for p in self.parts if isinstance(p, TensorPart)]
         if len(data) > 1 or len(pipes) > 1 or len(gatherers) > 1:
             raise ValueError(f"parts={kinds}: at most one data part, one tensor "
                              "part and one Pipeline")
