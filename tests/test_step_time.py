@@ -16,7 +16,7 @@ import pytest
 
 from dtlib.planner.overlap import Comm, serial, two_streams
 from dtlib.planner.specs import ModelSpec
-from dtlib.planner.step_time import (STRATEGIES, Machine, Workload, gpu_machine, mfu,
+from dtlib.planner.step_time import (MODELLED, Machine, Workload, gpu_machine, mfu,
                                      predict, rank_flops, unit_params)
 
 REL = 1e-12  # see the module docstring
@@ -134,19 +134,19 @@ def test_zero_and_fsdp_bytes_and_optimizer_share():
     units = unit_params(w)
     assert sum(units) == w.psi and len(units) == MODEL.n_layers + 1
     ring = 3 / 4 * w.psi * 4 * 1e-9  # (n-1)/n of Psi fp32 bytes, 4 ranks
-    z1, z3, fsdp = (predict(s, w, m, 4) for s in ("zero-1", "zero-3", "fsdp2"))
+    z1, z3, fsdp = (predict(s, w, m, 4) for s in ("zero-1", "zero-3", "fsdp"))
     assert close(z1.comm_s, 2 * ring) and close(z3.comm_s, 3 * ring)
     # each rank steps Psi/4 parameters, on a quarter of the one core
     assert close(z1.optimizer_s, w.psi / 4 * 1e-8 * 4)
     assert close(fsdp.total_s, z3.total_s)  # one core: prefetch cannot help
     gpu = machine(alpha_s=0.0)  # a device per rank: fsdp2's prefetch hides some
-    fsdp2, zero3 = (predict(s, w, gpu, 4) for s in ("fsdp2", "zero-3"))
+    fsdp2, zero3 = (predict(s, w, gpu, 4) for s in ("fsdp", "zero-3"))
     assert fsdp2.exposed_s < zero3.exposed_s
     # FSDP2's buffer copies: per unit of u elements, 2 gathers copy u / n in and u
     # out, the reduce-scatter copies u in: (3 + 2/n) Psi fp32 bytes in all, here on
     # a quarter of the core; ZeRO-3 (ours, views of flat units) copies nothing
     copying = machine(alpha_s=0.0, cores=1, copy_s_per_byte=1e-10)
-    fsdp_c, z3_c = (predict(s, w, copying, 4) for s in ("fsdp2", "zero-3"))
+    fsdp_c, z3_c = (predict(s, w, copying, 4) for s in ("fsdp", "zero-3"))
     assert close(fsdp_c.total_s - fsdp.total_s,
                  (3 + 2 / 4) * w.psi * 4 * 1e-10 * 4)
     assert close(z3_c.total_s, z3.total_s)
@@ -180,7 +180,7 @@ def test_every_strategy_on_a_gpu_machine_adds_up():
     w = Workload(MODEL, global_batch=8)
     gpu = gpu_machine("H100-80GB")
     assert gpu.cores is None and gpu.flops_per_s == 989e12 * 0.5
-    for s in STRATEGIES:
+    for s in MODELLED:
         t = predict(s, w, gpu, 2)
         assert t.total_s >= t.compute_s + t.optimizer_s - 1e-15
         assert 0 <= t.exposed_s <= t.total_s and 0 <= t.exposed_fraction <= 1
@@ -217,17 +217,17 @@ def test_control_collectives_are_counted_where_the_book_issues_them():
              "zero-1": 2 * ar, "zero-2": 2 * ar,  # the loss and the usage flags
              # and an agreement before each of the 3 collectives of every unit
              "zero-3": 2 * ar + 3 * units * ag,
-             "fsdp2": ar,  # torch's: the loss only
+             "fsdp": ar,  # torch's: the loss only
              "tp": 0.0,  # every rank holds the loss: nothing to reduce
              "gpipe": 2 * ar, "1f1b": 2 * ar}  # the barrier, the loss broadcast
-    assert set(extra) == set(STRATEGIES)
+    assert set(extra) == set(MODELLED)
     for name, seconds in extra.items():
         a, b = predict(name, plain, m, 4), predict(name, ours, m, 4)
         assert close(b.total_s - a.total_s, seconds), name
         assert close(b.comm_s - a.comm_s, seconds), name
     # on a device per rank the loss's all-reduce after the optimizer is exposed too
     gpu = machine(beta_s_per_byte=0.0)
-    for name in ("ddp/overlapped", "fsdp2"):
+    for name in ("ddp/overlapped", "fsdp"):
         assert close(predict(name, ours, gpu, 4).exposed_s
                      - predict(name, plain, gpu, 4).exposed_s, ar)
 
@@ -235,8 +235,8 @@ def test_control_collectives_are_counted_where_the_book_issues_them():
 def test_a_strategys_machinery_is_charged_as_compute_at_its_measured_seconds():
     w = Workload(MODEL, global_batch=8)
     base = machine(cores=2)  # 4 ranks on 2 cores: the layers on half a core each
-    busy = machine(cores=2, overhead_s={"fsdp2": 0.01, "ddp/overlapped": 0.002})
-    for name, seconds in (("fsdp2", 0.01), ("ddp/overlapped", 0.002)):
+    busy = machine(cores=2, overhead_s={"fsdp": 0.01, "ddp/overlapped": 0.002})
+    for name, seconds in (("fsdp", 0.01), ("ddp/overlapped", 0.002)):
         a, b = predict(name, w, base, 4), predict(name, w, busy, 4)
         assert close(b.total_s - a.total_s, seconds), name
         assert close(b.compute_s - a.compute_s, seconds), name
@@ -244,7 +244,7 @@ def test_a_strategys_machinery_is_charged_as_compute_at_its_measured_seconds():
     for name in ("zero-3", "tp", "1f1b"):  # not measured: nothing charged
         assert predict(name, w, busy, 4) == predict(name, w, base, 4)
     with pytest.raises(ValueError, match="overhead_s"):
-        machine(overhead_s={"fsdp2": -1.0})
+        machine(overhead_s={"fsdp": -1.0})
 
 
 def test_machinery_is_measured_on_one_rank_for_data_parallel_strategies_only():
@@ -252,10 +252,10 @@ def test_machinery_is_measured_on_one_rank_for_data_parallel_strategies_only():
     from dtlib.models.gpt import GPTConfig
     from dtlib.runtime import launch
 
-    got = launch.spawn(measure_overheads, 1, ("ddp/bucketed", "fsdp2", "tp"),
+    got = launch.spawn(measure_overheads, 1, ("ddp/bucketed", "fsdp", "tp"),
                        GPTConfig(**TRACE_GPT), rows=2, steps=1, rounds=1,
                        timeout=120, stream=False)[0]
-    assert set(got) == {"ddp/bucketed", "fsdp2"}  # a TP plan needs its peers
+    assert set(got) == {"ddp/bucketed", "fsdp"}  # a TP plan needs its peers
     assert all(isinstance(v, float) and v >= 0 for v in got.values())
 
 
@@ -423,12 +423,12 @@ TRACE_GPT = dict(vocab_size=64, seq_len=16, n_layers=2, hidden=32, n_heads=4,
 
 
 def _trace_all(gpt: dict) -> dict:
-    from dtlib.chapters.ch13_time.runs import FACTORIES, profile_step
+    from dtlib.chapters.ch13_time.runs import profile_step
     from dtlib.models.gpt import GPTConfig
 
     cfg = GPTConfig(**gpt)
     return {name: profile_step(name, cfg, global_batch=4)["events"]
-            for name in FACTORIES}
+            for name in MODELLED}
 
 
 @pytest.fixture(scope="module")
@@ -460,12 +460,12 @@ def test_every_strategy_traces_its_collectives_in_order(traces):
                                 + ["allgather_base"] * units + ["allreduce"])
         # ZeRO-3 and FSDP2: forward gathers every unit first; backward gathers again
         # before any reduce-scatter; one reduce-scatter per unit; the loss last
-        for v in ("zero-3", "fsdp2"):
+        for v in ("zero-3", "fsdp"):
             c = calls[v]
             assert c[:units] == ["allgather_base"] * units and c[-1] == "allreduce"
             assert c.count("reduce_scatter_base") == units
             assert c.index("reduce_scatter_base") > units
-        assert calls["fsdp2"].count("allgather_base") == 2 * units
+        assert calls["fsdp"].count("allgather_base") == 2 * units
         # TP: f and g of 2 sublayers per block, forward and backward
         assert calls["tp"] == ["allreduce"] * 4 * TRACE_GPT["n_layers"]
         # the pipelines on 2 stages: GPipe all forwards, then all backwards; 1F1B
@@ -490,7 +490,7 @@ def test_trace_exercise_on_real_traces(traces):
     from dtlib.exercises import WrongAnswer
     from dtlib.exercises.trace_reading import band_us, judge_exposed_comm
 
-    for name in ("ddp/overlapped", "fsdp2"):
+    for name in ("ddp/overlapped", "fsdp"):
         ev = traces[0][name]
         want = judge_exposed_comm(_sweep, ev, name)
         judge_exposed_comm(lambda e: _sweep(e, rounded=True), ev, name)

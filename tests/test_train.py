@@ -53,7 +53,7 @@ from dtlib.train.job import DoesNotFit, check_memory, lr_lambda, prepare_model
 from dtlib.train.loop import main, train
 from dtlib.train.model import build_model, unit_params
 from dtlib.train.state import resume
-from dtlib.train.strategies import STRATEGIES
+from dtlib.planner.strategies import STRATEGIES, capstone_names
 from fp32_tolerance import U32
 
 STEPS = 8
@@ -254,9 +254,10 @@ def sharded_start(argv: list[str]) -> dict:
             held += storage_bytes(twin.parameters())
         seen.append((step, held))
 
-    meta = train_job.start_model(cfg, strategy, strategy.parallelism(cfg, world()),
+    options = train_job.strategy_options(cfg, strategy)
+    meta = train_job.start_model(cfg, strategy, strategy.parallelism(options),
                                  world().device, probe)
-    whole = prepare_model(build_model(cfg), strategy.parallelism(cfg, world()),
+    whole = prepare_model(build_model(cfg), strategy.parallelism(options),
                           world().device)
     got, ref = tensors_by_name(unwrap(meta)), tensors_by_name(unwrap(whole))
     return {"same_names": sorted(got) == sorted(ref),
@@ -826,7 +827,7 @@ def test_preemption_handlers_are_put_back():
 # ---- the parts -----------------------------------------------------------------------
 
 def test_strategy_table_is_the_flag():
-    assert tuple(STRATEGIES) == STRATEGY_NAMES
+    assert capstone_names() == STRATEGY_NAMES
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -956,7 +957,7 @@ def test_batchnorm_becomes_syncbatchnorm_before_wrapping():
 
 
 def _bn_rank() -> list[str]:
-    par = STRATEGIES["ddp"].parallelism(TrainConfig(), world())
+    par = STRATEGIES["ddp"].parallelism()
     wrapped = prepare_model(_bn_model(), par, world().device)  # CPU: no sync
     return [type(m).__name__ for m in wrapped.module.modules()]
 

@@ -376,7 +376,7 @@ def check_time_ddp(n: int, timeout: float) -> tuple[bool, str]:
 
 
 def check_time_fsdp2(n: int, timeout: float) -> tuple[bool, str]:
-    return _check_time("fsdp2", n, timeout)
+    return _check_time("fsdp", n, timeout)
 
 
 RUNNERS: dict[str, Callable[[int, float], tuple[bool, str]]] = {

@@ -4,7 +4,7 @@
 measures the machine's inputs (matmul FLOP/s alone and with every rank busy, AdamW
 seconds per parameter, a copy's seconds per byte, Chapter 2's alpha-beta fits, or a
 collective's measured sizes where no line fits), then times every strategy of
-``dtlib.planner.step_time.STRATEGIES`` on the same GPT, in one launch per world size.
+``dtlib.planner.step_time.MODELLED`` on the same GPT, in one launch per world size.
 The compute rate drifts on a shared or virtual machine, so the launch probes it after
 every step (the GPT's own forward and backward, rank 0 alone and every rank at once,
 AdamW's step, a copy, each collective on one message: the median of three calls), and
@@ -30,15 +30,15 @@ from dtlib.planner.drift import summarize
 from dtlib.planner.measure import machine_from, measure_machine
 from dtlib.planner.timing import (BAND, TIME_GPT, compare, measure_overheads,
                                   time_strategies)
-from dtlib.planner.step_time import STRATEGIES
+from dtlib.planner.step_time import MODELLED
 from dtlib.runtime import launch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m dtlib.bench time``."""
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
-                        choices=STRATEGIES)
+    parser.add_argument("--strategies", nargs="+", default=list(MODELLED),
+                        choices=MODELLED)
     parser.add_argument("--steps", type=int, default=2,
                         help="timed steps per strategy and round (median)")
     parser.add_argument("--rounds", type=int, default=3,

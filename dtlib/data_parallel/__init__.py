@@ -16,12 +16,12 @@ from dtlib.data_parallel.ddp import (TEACHING_VARIANTS, sync_module_states,
 from dtlib.data_parallel.buckets import (group_size, allreduce_grads, Bucket,
                                          build_buckets, allreduce_buckets)
 from dtlib.data_parallel.parallelism import (VARIANTS, DataParallelism, parallelism,
-                                             rows_of_rank)
+                                             rows_of_rank, settle_ddp_buckets)
 from dtlib.data_parallel.sampling import (shards, epoch_orders, duplicated,
                                           sharded_mean, eval_shards)
 
 __all__ = ["TEACHING_VARIANTS", "VARIANTS", "sync_module_states", "DataParallel",
            "allreduce_calls_per_step", "DataParallelism", "parallelism",
-           "rows_of_rank", "group_size", "allreduce_grads", "Bucket",
-           "build_buckets", "allreduce_buckets", "shards", "epoch_orders",
+           "rows_of_rank", "settle_ddp_buckets", "group_size", "allreduce_grads",
+           "Bucket", "build_buckets", "allreduce_buckets", "shards", "epoch_orders",
            "duplicated", "sharded_mean", "eval_shards"]

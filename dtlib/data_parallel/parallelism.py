@@ -25,10 +25,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dtlib.data_parallel.ddp import TEACHING_VARIANTS, DataParallel
-from dtlib.models.run import Batch, Parallelism
+from dtlib.models.run import Batch, Parallelism, logits_of
 from dtlib.runtime import dist as ddist
 
-__all__ = ["VARIANTS", "DataParallelism", "parallelism", "rows_of_rank"]
+__all__ = ["VARIANTS", "DataParallelism", "parallelism", "rows_of_rank",
+           "settle_ddp_buckets"]
 
 #: Every DDP of Chapter 3: the three teaching ones and torch's.
 VARIANTS = (*TEACHING_VARIANTS, "torch")
@@ -145,3 +146,29 @@ def parallelism(variant: str = "torch", *, group: Any = None,
     """
     return DataParallelism(variant, group=group, bucket_cap_mb=bucket_cap_mb,
                            timeline=timeline)
+
+
+def settle_ddp_buckets(model: nn.Module, x: torch.Tensor) -> None:
+    """One forward and backward whose gradients are thrown away, so that DDP has
+    rebuilt its buckets before the first real step, in a fresh and a resumed run.
+
+    DDP's first backward records the order gradients become ready and its next
+    forward regroups the buckets by it. Bucket layout decides how gloo's ring cuts
+    each buffer, hence the order in which the ranks' values are added: with 2 ranks
+    a + b = b + a, with 4 the sums differ in the last bits. Without this, a resumed
+    process runs its first step on the initial buckets where the uninterrupted run
+    used rebuilt ones, and the 4-rank resume is not bit-exact. The generators are
+    restored, so no random draw is consumed.
+
+    Args:
+        model: the DDP-wrapped model; x: one micro-batch of inputs on its device.
+
+    Taught in: Chapter 9, "Exact resume under DDP".
+    """
+    rng = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
+    (logits_of(model(x)).float().sum() * 0.0).backward()
+    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, x.device)

@@ -60,7 +60,7 @@ from dtlib.runtime import dist as ddist
 
 __all__ = ["Parallelism", "RunConfig", "TrainState", "Every", "StepEnd", "Callback",
            "OnStepEnd", "AfterOptimizerStep", "RunResult", "run_steps",
-           "default_step", "gpt_loss",
+           "default_step", "gpt_loss", "logits_of",
            "tensors_by_name", "unwrap", "local_tensor", "full_tensor", "is_dtensor",
            "clip_by_global_norm"]
 
@@ -73,6 +73,11 @@ def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor
              ) -> torch.Tensor:
     """The GPT's own mean cross-entropy (``model(idx, targets)[1]``)."""
     return model(idx, targets)[1]
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a forward: the GPT returns them, a HF model a ``ModelOutput``."""
+    return output if torch.is_tensor(output) else output.logits
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ ddp/overlapped  the same buckets                            bucket k behind the
 zero-1, zero-2  reduce-scatter + all-gather per unit        none (ours block)
 zero-3          all-gather forward, all-gather + reduce-    none (ours block)
                 scatter backward, per unit
-fsdp2           the same as zero-3, and copies into and     unit i+1's all-gather
+fsdp (FSDP2)    the same as zero-3, and copies into and     unit i+1's all-gather
                 out of the buffers (3 + 2/N copies of each  behind unit i; unit i's
                 unit's bytes, on the compute stream)        reduce-scatter behind
                                                             unit i-1's backward
@@ -50,12 +50,14 @@ from dtlib.planner.machine import (ADAMW_BYTES_PER_PARAM, H100_HBM_BYTES_PER_S,
 from dtlib.planner.overlap import Comm, Timeline, serial, two_streams
 from dtlib.planner.specs import RECOMPUTE, ModelSpec
 
-__all__ = ["STRATEGIES", "Machine", "Workload", "StepTime", "predict", "mfu",
+__all__ = ["MODELLED", "Machine", "Workload", "StepTime", "predict", "mfu",
            "gpu_machine", "rank_flops", "unit_params", "bucket_bytes",
            "H100_HBM_BYTES_PER_S", "ADAMW_BYTES_PER_PARAM"]
 
-STRATEGIES = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
-              "zero-3", "fsdp2", "tp", "gpipe", "1f1b")
+#: The strategies the model prices, by their names in the book's one strategy table
+#: (:data:`dtlib.planner.strategies.STRATEGIES`, which builds each).
+MODELLED = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
+              "zero-3", "fsdp", "tp", "gpipe", "1f1b")
 @dataclass(frozen=True)
 class Workload:
     """One training step's shape.
@@ -170,8 +172,8 @@ def bucket_bytes(w: Workload) -> list[float]:
 
 
 def _check(strategy: str, world_size: int) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} not allowed; allowed: {STRATEGIES}")
+    if strategy not in MODELLED:
+        raise ValueError(f"strategy={strategy!r} not allowed; allowed: {MODELLED}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) \
             or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
@@ -222,7 +224,7 @@ def _data_parallel(strategy: str, w: Workload, m: Machine, n: int
     # zero-3 and fsdp2: forward per unit, backward per unit in reverse, optimizer
     k = len(units)
     chunks = [fwd * s for s in share] + [bwd * s for s in reversed(share)] + [opt]
-    prefetch = strategy == "fsdp2"
+    prefetch = strategy == "fsdp"
     if prefetch:  # FSDP2's copies, on the compute stream (a unit of u elements):
         # each all-gather copies the shard in (u / n) and the gathered unit out to
         # its parameters (u); the reduce-scatter copies the gradients in (u)
@@ -281,7 +283,7 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
     """The predicted step of ``strategy`` on ``world_size`` ranks of ``m``.
 
     Args:
-        strategy: one of :data:`STRATEGIES`.
+        strategy: one of :data:`MODELLED`.
         w: the :class:`Workload` (its global batch is split over the data-parallel
             ranks; TP ranks each see all of it; pipeline stages each see all of it,
             in ``w.n_micro`` micro-batches).
@@ -324,7 +326,7 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
     timeline: Timeline = (serial if shared else two_streams)(chunks, comms)
     compute = timeline.compute_s - opt
     comm = sum(c.seconds for c in comms)
-    overlapped = not shared and strategy in ("ddp/overlapped", "fsdp2")
+    overlapped = not shared and strategy in ("ddp/overlapped", "fsdp")
     return StepTime(strategy, n, compute, opt, comm, timeline.exposed_s, 0.0,
                     timeline.end_s, overlapped)
 

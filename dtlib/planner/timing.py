@@ -1,8 +1,8 @@
 """Timing every strategy's step on the ranks, for Chapter 13's step-time model (the
 machine's inputs are measured by ``measure.py``, the drifting ones by ``probe.py``).
 
-- :data:`FACTORIES`: each strategy of :data:`~dtlib.planner.step_time.STRATEGIES`
-  as its technique's ``parallelism(...)``;
+- :func:`build`: each strategy of :data:`~dtlib.planner.step_time.MODELLED` as
+  its row of the book's one table (:mod:`dtlib.planner.strategies`) builds it;
 - :func:`time_strategies`: the median step of each strategy, each a technique's
   ``parallelism(...)`` in the one loop ``run_steps``, in rounds, with the compute
   rate probed around each strategy's steps;
@@ -18,12 +18,11 @@ Taught in: Chapter 13, "Where the time goes".
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dtlib import data_parallel, pipeline_parallel, tensor_parallel, zero
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
 from dtlib.models.run import (OnStepEnd, Parallelism, RunConfig, StepEnd, TrainState,
@@ -33,10 +32,11 @@ from dtlib.planner.machine import Machine
 from dtlib.planner.measure import slowest
 from dtlib.planner.probe import Probe, probe_rate
 from dtlib.planner.specs import ModelSpec
-from dtlib.planner.step_time import Workload, predict
+from dtlib.planner.step_time import MODELLED, Workload, predict
+from dtlib.planner.strategies import STRATEGIES, Options, one_rank_names
 from dtlib.runtime import dist as ddist
 
-__all__ = ["TIME_GPT", "BUCKET_CAP_MB", "N_MICRO", "BAND", "FACTORIES",
+__all__ = ["TIME_GPT", "BUCKET_CAP_MB", "N_MICRO", "BAND", "build",
            "DATA_PARALLEL", "measure_overheads", "time_strategies", "profile_step",
            "workload_of", "compare"]
 
@@ -51,34 +51,21 @@ N_MICRO = 4
 BAND = (0.75, 1.33)
 
 
-def _ddp(variant: str) -> Callable[[], Parallelism]:
-    def make() -> Parallelism:
-        return data_parallel.parallelism(variant, bucket_cap_mb=BUCKET_CAP_MB)
-    return make
+def build(name: str) -> Parallelism:
+    """Strategy ``name``'s Parallelism from the book's one table
+    (:data:`~dtlib.planner.strategies.STRATEGIES`), with this chapter's buckets and
+    micro-batches where the row reads them.
 
-
-def _zero(stage: int, variant: str = "ours") -> Callable[[], Parallelism]:
-    def make() -> Parallelism:
-        return zero.parallelism(stage, variant=variant)
-    return make
-
-
-def _tp() -> Parallelism:
-    return tensor_parallel.parallelism("ours")
-
-
-def _pipe(schedule: str) -> Callable[[], Parallelism]:
-    def make() -> Parallelism:
-        return pipeline_parallel.parallelism(schedule, N_MICRO)
-    return make
-
-
-#: Strategy name (as in ``planner.step_time.STRATEGIES``) -> its Parallelism factory.
-FACTORIES: dict[str, Callable[[], Parallelism]] = {
-    "ddp/naive": _ddp("naive"), "ddp/bucketed": _ddp("bucketed"),
-    "ddp/overlapped": _ddp("overlapped"), "zero-1": _zero(1), "zero-2": _zero(2),
-    "zero-3": _zero(3), "fsdp2": _zero(3, "fsdp2"), "tp": _tp,
-    "gpipe": _pipe("gpipe"), "1f1b": _pipe("1f1b")}
+    Raises:
+        ValueError: ``name`` is not a strategy the step-time model prices (naming
+            those it does).
+    """
+    if name not in MODELLED:
+        raise ValueError(f"strategy={name!r} not allowed; allowed: {MODELLED}")
+    row = STRATEGIES[name]
+    chosen = {"bucket_cap_mb": BUCKET_CAP_MB, "n_micro": N_MICRO}
+    return row.parallelism(Options(**{k: v for k, v in chosen.items()
+                                      if k in row.options}))
 
 
 def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
@@ -86,7 +73,7 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
                     probe: bool = False, rounds: int = 1) -> list[dict[str, Any]]:
     """On every rank: the median step of each strategy (the slowest rank's).
 
-    Each strategy is ``FACTORIES[name]()`` in ``run_steps`` on the same global batch
+    Each strategy is ``build(name)`` in ``run_steps`` on the same global batch
     (``global_batch`` sequences: data-parallel ranks split it, TP ranks and pipeline
     stages see all of it); ``warmup`` untimed steps first.
 
@@ -124,7 +111,7 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
             del last[:-1]  # the probe before this strategy's first step
             config = RunConfig(warmup + steps, record_grads=False,
                                record_params=False)
-            run = run_steps(FACTORIES[name](), model, gpt_batches(
+            run = run_steps(build(name), model, gpt_batches(
                 cfg, global_batch, device), config, callbacks=[OnStepEnd(after_step)])
             times = [slowest(t) for t in run.step_times[warmup:]]
             rec = {"strategy": name, "world_size": dist.get_world_size(),
@@ -136,10 +123,9 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
     return out
 
 
-#: The strategies whose machinery runs on a one-rank world as on N ranks, less the
-#: bytes (a pipeline or a TP plan needs its peers): :func:`measure_overheads`.
-DATA_PARALLEL = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
-                 "zero-3", "fsdp2")
+#: The modelled strategies whose machinery runs on a one-rank world as on N ranks,
+#: less the bytes (a pipeline or a TP plan needs its peers): :func:`measure_overheads`.
+DATA_PARALLEL = tuple(n for n in one_rank_names() if n in MODELLED)
 
 
 def measure_overheads(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
@@ -172,7 +158,7 @@ def measure_overheads(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
         for name in strategies:
             if name in DATA_PARALLEL:
                 plain = step_s(Parallelism())
-                out.setdefault(name, []).append(step_s(FACTORIES[name]()) - plain)
+                out.setdefault(name, []).append(step_s(build(name)) - plain)
     return {name: max(0.0, statistics.median(d)) for name, d in out.items()}
 
 
@@ -227,7 +213,7 @@ def profile_step(strategy: str, cfg: GPTConfig = TIME_GPT, global_batch: int = 8
     warm-up step); the events the trace holds.
 
     Args:
-        strategy: a key of :data:`FACTORIES`.
+        strategy: one of :data:`~dtlib.planner.step_time.MODELLED`.
         trace_dir: where rank 0 writes ``<strategy>.json`` (Chrome trace format,
             opens in Perfetto), or None.
     Returns:
@@ -240,13 +226,10 @@ def profile_step(strategy: str, cfg: GPTConfig = TIME_GPT, global_batch: int = 8
 
     from torch.profiler import ProfilerActivity, profile
 
-    if strategy not in FACTORIES:
-        raise ValueError(f"strategy={strategy!r} not allowed; allowed: "
-                         f"{sorted(FACTORIES)}")
     device = ddist.world().device
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    par = FACTORIES[strategy]()
+    par = build(strategy)
     model = build_gpt(cfg, seed=0).to(device)
     wrapped = par.apply(model)
     opt = par.make_optimizer(wrapped, torch.optim.AdamW, lr=1e-3)

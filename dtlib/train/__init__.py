@@ -1,8 +1,8 @@
 """Chapter 10: the capstone training script (``python -m dtlib.train``).
 
 - :mod:`~dtlib.train.config`: the command line as a typed, validated configuration.
-- :mod:`~dtlib.train.strategies`: the table from strategy name to the technique's
-  Parallelism factory (DDP, FSDP2, FSDP x TP).
+- the strategies are the capstone's rows (DDP, FSDP2, FSDP x TP) of the book's one
+  table, :mod:`dtlib.planner.strategies`.
 - :mod:`~dtlib.train.data`: the samples (synthetic, or windows of a token file), the
   job's sample order (samples consumed) and each rank's next micro-batches;
   ``python -m dtlib.train.data prepare`` writes token files

@@ -22,7 +22,8 @@ from dtlib.models.optimizers import OPTIMIZERS
 from dtlib.train.data import TokenWindows, held_out_split
 from dtlib.train.tokens import open_tokens
 
-#: ``--strategy``: the keys of :data:`dtlib.train.strategies.STRATEGIES`.
+#: ``--strategy``: the capstone's rows of the one strategy table
+#: (:func:`dtlib.planner.strategies.capstone_names`; a test checks they agree).
 STRATEGY_NAMES = ("ddp", "fsdp")
 MODELS = ("gpt", "hf-llama")
 #: ``--optimizer``: the book's one table (class, arguments besides lr and

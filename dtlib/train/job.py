@@ -1,11 +1,12 @@
 """Everything one training run is made of, built from its configuration.
 
 :func:`build_job` answers, in the book's order: does the model fit (Chapter 1), which
-technique runs it (the :data:`~dtlib.train.strategies.STRATEGIES` table: DDP,
-FSDP2, FSDP x TP), the optimizer and learning-rate schedule, the fp16 loss scaler
-(Chapter 7), this rank's data (Chapter 3's sampler) and the step that accumulates
-micro-batches (Chapter 8). :mod:`dtlib.train.loop` hands the :class:`Job` to the one
-loop, :func:`dtlib.models.run.run_steps`.
+technique runs it (the capstone's rows of the book's one strategy table,
+:data:`dtlib.planner.strategies.STRATEGIES`: DDP, FSDP2, FSDP x TP), the optimizer
+and learning-rate schedule, the fp16 loss scaler (Chapter 7), this rank's data
+(Chapter 3's sampler) and the step that accumulates micro-batches (Chapter 8).
+:mod:`dtlib.train.loop` hands the :class:`Job` to the one loop,
+:func:`dtlib.models.run.run_steps`.
 
 Taught in: Chapter 10, "The script's structure".
 """
@@ -24,15 +25,16 @@ import torch.nn.functional as F
 from dtlib.accumulation import accumulation_step
 from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
 from dtlib.models.init import storage_bytes
-from dtlib.models.run import Parallelism, RunConfig, TrainState
+from dtlib.models.run import Parallelism, RunConfig, TrainState, logits_of
+from dtlib.planner.strategies import STRATEGIES, Options, Strategy
 from dtlib.runtime import dist as ddist
 from dtlib.train.config import OPTIMIZERS, STRATEGY_NAMES, TrainConfig
 from dtlib.train.data import (GlobalSampler, MicroBatch, SyntheticTokens, open_split,
                               step_batches)
 from dtlib.train.identity import run_identity
-from dtlib.train.model import (build_model, count_params, init_model, logits_of,
-                               starts_on_meta, unit_params)
-from dtlib.train.strategies import STRATEGIES, Strategy
+from dtlib.train.model import (build_model, count_params, init_model, starts_on_meta,
+                               unit_params)
+from dtlib.zero.fsdp import bf16_policy
 
 __all__ = ["DoesNotFit", "check_memory", "startup_bytes", "prepare_model",
            "start_model", "lr_lambda", "token_loss",
@@ -96,7 +98,7 @@ def check_memory(n_params: int, strategy: str, world_size: int,
 
     Taught in: Chapter 10, "Refuse what cannot fit" (formula: Chapter 1).
     """
-    if strategy not in STRATEGIES:
+    if strategy not in STRATEGY_NAMES:
         raise ValueError(f"strategy={strategy!r} is not allowed; allowed: "
                          f"{', '.join(STRATEGY_NAMES)}")
     stage = STRATEGIES[strategy].zero_stage
@@ -298,6 +300,18 @@ class Job:
         return self.cfg.tokens_per_micro_batch * self.cfg.accum_steps * self.par.dp_size
 
 
+def strategy_options(cfg: TrainConfig, strategy: Strategy) -> Options:
+    """What the flags choose about the strategy: ``--tp``, and bf16 computed by
+    FSDP2's mixed-precision policy where the strategy does not autocast.
+
+    Taught in: Chapter 10, "The script's structure".
+    """
+    policy = bf16_policy() if cfg.precision == "bf16" and not strategy.autocast \
+        else None
+    return Options(mp_policy=policy, tp=cfg.tp) if "tp" in strategy.options \
+        else Options()
+
+
 def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     """Build every part of the run ``cfg`` describes, on this process's ``world``.
 
@@ -324,7 +338,7 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     states = check_memory(n_params, cfg.strategy, world.world_size, device_gb,
                           unit_params(cfg) if starts_on_meta(cfg) else None)
     strategy = STRATEGIES[cfg.strategy]
-    par = strategy.parallelism(cfg, world)
+    par = strategy.parallelism(strategy_options(cfg, strategy))
     held: list[int] = []  # bytes of parameter storage after each set-up step
 
     def probe(step: str, m: nn.Module, twin: nn.Module | None) -> None:

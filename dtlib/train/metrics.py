@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dtlib.models.run import logits_of
 from dtlib.runtime import dist as ddist
-from dtlib.train.model import logits_of
 
 __all__ = ["flops_per_token", "peak_memory", "evaluate",
            "RunLog", "tensorboard_writer"]

@@ -11,7 +11,7 @@ The rest of the script sees only an ``nn.Module`` whose output has logits: the
 parameter count comes from the model itself (built on the meta device first, so a
 model that cannot fit is refused before a byte is allocated), FSDP2 wraps each
 decoder layer (the outermost ``nn.ModuleList``: the GPT's blocks, Llama's
-``model.layers``), and :func:`logits_of` unwraps a ``ModelOutput``.
+``model.layers``); :func:`dtlib.models.run.logits_of` unwraps a ``ModelOutput``.
 
 Taught in: Chapter 10, "A Hugging Face model".
 """
@@ -28,7 +28,7 @@ from dtlib.memory.recompute import apply_recompute
 from dtlib.models.gpt import GPTConfig, build_gpt, meta_gpt
 from dtlib.train.config import TrainConfig
 
-__all__ = ["build_model", "hf_config", "count_params", "logits_of", "HF_ATTENTION",
+__all__ = ["build_model", "hf_config", "count_params", "HF_ATTENTION",
            "starts_on_meta", "init_model", "unit_params"]
 
 #: ``--attention`` -> transformers' ``attn_implementation``.
@@ -163,8 +163,3 @@ def _gpt_config(cfg: TrainConfig) -> GPTConfig:
     return GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                      n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
                      attention=cfg.attention)
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """The logits of a forward: the GPT returns them, a HF model a ``ModelOutput``."""
-    return output if torch.is_tensor(output) else output.logits

@@ -13,11 +13,11 @@ from typing import Any
 
 from dtlib.chapters.ch03_data_parallel.runs import record_timeline
 from dtlib.planner.measure import machine_from, measure_machine
-from dtlib.planner.timing import (BAND, BUCKET_CAP_MB, DATA_PARALLEL, FACTORIES,
-                                  TIME_GPT, compare, measure_overheads, profile_step,
+from dtlib.planner.timing import (BAND, BUCKET_CAP_MB, DATA_PARALLEL, TIME_GPT,
+                                  compare, measure_overheads, profile_step,
                                   time_strategies, workload_of)
 
-__all__ = ["TIME_GPT", "BUCKET_CAP_MB", "BAND", "FACTORIES", "DATA_PARALLEL",
+__all__ = ["TIME_GPT", "BUCKET_CAP_MB", "BAND", "DATA_PARALLEL",
            "measure_machine", "measure_overheads", "time_strategies", "profile_step",
            "machine_from", "workload_of", "compare", "chapter_run"]
 
