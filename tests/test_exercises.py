@@ -311,10 +311,17 @@ def _save_with_rename(obj, path):
     import tempfile
 
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
-    with os.fdopen(fd, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # the permissions open() would give
+    except BaseException:
+        os.unlink(tmp)
+        raise
     os.rename(tmp, path)
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     os.fsync(dir_fd)  # the rename itself, on disk

@@ -72,6 +72,20 @@ def divide_by_two(group, bucket):
         lambda fut: fut.value()[0])
 
 
+def world_group(group, bucket):
+    # reduces over the world, not over the group DDP hands the hook
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    return dist.all_reduce(buf, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
+def world_divisor(group, bucket):
+    # the group's sum, divided by the world's size
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
 def blocking_all_reduce(group, bucket):
     buf = bucket.buffer().div_(dist.get_world_size(group))
     dist.all_reduce(buf, group=group)
@@ -125,8 +139,13 @@ def silent(group, bucket):
 
 RIGHT = (divide_first, divide_after, divide_into_new_tensor, c10d_spelling)
 WRONG = {
-    divide_by_two: (r"on 4 ranks, rank 0: the gradients are 2 times the average: "
-                    r"the sum was divided by 2,"),
+    divide_by_two: (r"on 4 ranks, rank 0 \(DDP over ranks \[0, 1, 2\], one of the "
+                    r"replica groups .*\): the gradients are 1.5 times the average: "
+                    r"the sum was divided by 2, not by the number of ranks in the "
+                    r"hook's group \(3\)"),
+    world_group: r"on 4 ranks, rank 0 .*averaged over every rank of the world",
+    world_divisor: (r"on 4 ranks, rank 0 .*0.75 times the average: the sum was "
+                    r"divided by 4,"),
     blocking_all_reduce: r"waits for its all-reduce \(a blocking all-reduce, or a wait",
     work_wait: r"waits for its all-reduce \(a blocking all-reduce, or a wait",
     decoy_then_blocking_c10d: r"waits for its all-reduce \(a blocking all-reduce",
@@ -134,7 +153,7 @@ WRONG = {
     future_wait: r"waits for its all-reduce \(a wait on its future",
     chained_future_wait: r"waits for its all-reduce \(a wait on its future",
     early_value: r"reads the future's value before the all-reduce",
-    summing: "world_size times too large",
+    summing: r"2 times too large \(the number of ranks in the hook's group\)",
     silent: "0 all-reduce calls",
 }
 
@@ -143,10 +162,11 @@ WRONG = {
 def hook_verdicts():
     from dtlib.exercises.data_parallel import hook_verdicts as verdicts
 
-    # every hook on 2 ranks; on 4 the first right one and the constant divisor
+    # every hook on 2 ranks; on 4 (replica groups of 3 and 1) the first right one and
+    # the ones right only when the group is the world
     hooks = [*RIGHT, *WRONG]
     out = dict(zip(hooks, verdicts(hooks, (2,))))
-    on_4 = [divide_first, divide_by_two]
+    on_4 = [divide_first, divide_by_two, world_group, world_divisor]
     for hook, wrong in zip(on_4, verdicts(on_4, (4,))):
         out[hook] = out[hook] or wrong
     return out

@@ -54,10 +54,14 @@ def _save_pathlib_rename(obj, path):
     from pathlib import Path
 
     tmp = Path(path).with_suffix(".part")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:  # open's permissions: no chmod needed
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink()  # a crashed save leaves nothing behind
+        raise
     tmp.rename(path)  # calls os.rename
     _sync_dir(path)
 
@@ -66,10 +70,14 @@ def _written_and_synced(obj, path, sync="fsync"):
     """The temporary file, written, flushed and synced (``os.<sync>``), renamed onto
     ``path``; the directory left unsynced."""
     tmp = path + ".part"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        getattr(os, sync)(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            getattr(os, sync)(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
     os.replace(tmp, path)
 
 
@@ -136,6 +144,50 @@ def _save_other_directory(obj, path):
     os.replace(tmp, path)
 
 
+def _save_leaves_part(obj, path):
+    # right until a save crashes: then its torn .part file stays, named like the
+    # checkpoint
+    tmp = path + ".part"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _sync_dir(path)
+
+
+def _save_swallows_crash(obj, path):
+    try:
+        _save_pathlib_rename(obj, path)
+    except Exception:  # the caller never learns the checkpoint was not written
+        pass
+
+
+def _save_private(obj, path):
+    # mkstemp's file is 0600, renamed as it is: nobody else can read the checkpoint
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+    _sync_dir(path)
+
+
+def _save_umask_zero(obj, path):
+    os.umask(0)  # meant to be put back, never is
+    _save_pathlib_rename(obj, path)
+
+
+def _save_fd_left_open(obj, path):
+    _save_pathlib_rename(obj, path)
+    os.fsync(os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY))  # never closed
+
+
 @pytest.mark.parametrize("save", [_save_pathlib_rename, _save_fdatasync])
 def test_atomic_save_accepts_path_rename_and_fdatasync(save, capsys) -> None:
     check_atomic_save(save)
@@ -150,10 +202,19 @@ def test_atomic_save_accepts_path_rename_and_fdatasync(save, capsys) -> None:
     (_save_other_directory, "not in the checkpoint's directory"),
     (_save_no_directory_sync, "directory was not fsynced after the rename"),
     (_save_directory_synced_first, "directory was not fsynced after the rename"),
+    (_save_leaves_part, r"crashed in the middle left \['step00000001.pt.part'\]"),
+    (_save_swallows_crash, "returned as if it had worked"),
+    (_save_private, "permissions are 0o600"),
+    (_save_umask_zero, "left the process's umask at 0o0"),
+    (_save_fd_left_open, "left 1 file descriptor"),
 ])
 def test_atomic_save_rejects(save, message) -> None:
-    with pytest.raises(WrongAnswer, match=message):
-        check_atomic_save(save)
+    umask = os.umask(0o022)
+    try:
+        with pytest.raises(WrongAnswer, match=message):
+            check_atomic_save(save)
+    finally:
+        os.umask(umask)
 
 
 # ---- Chapter 9: a sharded save and resume on 2 ranks ----

@@ -179,8 +179,10 @@ def test_trace_hand_made_truths() -> None:
 
     # trace 1: gloo 2-8 and 4-12 ms, compute 0-6, 9-10, 16-20: exposed 6-9, 10-12
     # trace 2: gloo 5-15 ms, compute 0-10 and 11-12 ms: exposed 10-11 and 12-15
+    # trace 3: gloo 0.5-1.5 and 2.5-8 ms (two events), compute 0-1 and 2-6 (nested):
+    # exposed 1-1.5 and 6-8
     truths = [tr.judge_exposed_comm(_sweep, ev, "t") for ev in tr.HAND_TRACES]
-    assert truths == [5_000.0, 4_000.0]
+    assert truths == [5_000.0, 4_000.0, 2_500.0]
     assert tr.band_us(tr.HAND_TRACES[0]) == 1 + 3  # one comm span, three compute
 
 
@@ -203,3 +205,27 @@ def test_trace_rejects(wrong, says) -> None:
     with pytest.raises(WrongAnswer, match=says):
         for ev in tr.HAND_TRACES:
             tr.judge_exposed_comm(wrong, ev, "hand-made")
+
+
+def _overlap_from_one(forward_s, backward_s, buckets_s):
+    # the queue's clock starts at 1 s, not 0: right whenever the first chunk ends
+    # after a second (the page's cases), wrong on millisecond steps
+    k, free = len(buckets_s), 1.0
+    for i, seconds in enumerate(buckets_s):
+        free = max(forward_s + (i + 1) * backward_s / k, free) + seconds
+    return free
+
+
+def test_overlap_checker_draws_cases_and_names_their_seed(monkeypatch) -> None:
+    from dtlib.exercises import SEED_VARIABLE
+    from dtlib.exercises.step_time import check_overlapped_ddp
+
+    with pytest.raises(WrongAnswer, match=r"seed 123: check_overlapped_ddp\(\.\.\., "
+                                          r"seed=123\) draws it again"):
+        check_overlapped_ddp(_overlap_from_one, seed=123)
+    monkeypatch.setenv(SEED_VARIABLE, "7")  # what a learner sets to reproduce a run
+    with pytest.raises(WrongAnswer, match="seed 7:"):
+        check_overlapped_ddp(_overlap_from_one)
+    monkeypatch.setenv(SEED_VARIABLE, "seven")
+    with pytest.raises(ValueError, match="DTLIB_EXERCISE_SEED='seven': give an integer"):
+        check_overlapped_ddp(_overlap_from_one)

@@ -19,10 +19,15 @@ from dtlib.runtime import launch
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _single(x, dest, shift=0, sort=True, counts=True):
+def _single(x, dest, shift=0, sort=True, counts=True, stable=True, keys=False):
     n = dist.get_world_size()
     dest = (dest + shift) % n
-    order = torch.argsort(dest, stable=True) if sort else torch.arange(len(dest))
+    if keys:  # unique keys: no ties, so any sort keeps each source's order
+        order = torch.argsort(dest * len(dest) + torch.arange(len(dest)))
+    elif sort:
+        order = dest.argsort(stable=True) if stable else dest.argsort()
+    else:
+        order = torch.arange(len(dest))
     send = torch.bincount(dest, minlength=n)
     if counts:
         recv = torch.empty_like(send)
@@ -89,7 +94,17 @@ def dispatch_gathers_destinations(x, dest):
     return out
 
 
-ANSWERS = {"gathers_destinations": dispatch_gathers_destinations,
+def dispatch_unstable(x, dest):
+    # right on a CPU, where torch sorts stably anyway; not on a GPU
+    return _single(x, dest, stable=False)
+
+
+def dispatch_unique_keys(x, dest):
+    return _single(x, dest, keys=True)
+
+
+ANSWERS = {"unstable": dispatch_unstable, "unique_keys": dispatch_unique_keys,
+           "gathers_destinations": dispatch_gathers_destinations,
            "single": dispatch_single, "lists": dispatch_lists,
            "wrong_rank": dispatch_wrong_rank, "no_counts": dispatch_no_counts,
            "unsorted": dispatch_unsorted}
@@ -103,7 +118,7 @@ def runs():
     return {k: [r[k] for r in ranks] for k in ANSWERS}
 
 
-@pytest.mark.parametrize("name", ["single", "lists"])
+@pytest.mark.parametrize("name", ["single", "lists", "unique_keys"])
 def test_dispatch_accepts(runs, name, capsys) -> None:
     ex.judge_dispatch(runs[name])
     assert "Correct" in capsys.readouterr().out
@@ -112,6 +127,7 @@ def test_dispatch_accepts(runs, name, capsys) -> None:
 @pytest.mark.parametrize("name, message", [
     ("wrong_rank", "meant for another rank"), ("no_counts", "a dispatch needs two"),
     ("unsorted", "wrong order|meant for another"),
+    ("unstable", "sorts destinations with ties without stable=True"),
     ("gathers_destinations", "also ran all_gather, broadcast")])
 def test_dispatch_rejects(runs, name, message) -> None:
     with pytest.raises(WrongAnswer, match=message):

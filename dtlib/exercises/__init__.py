@@ -22,12 +22,15 @@ the learner's copies with each solution replaced by a stub.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import math
 import numbers
+import os
+import random
 import textwrap
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -146,6 +149,39 @@ def checker(fn: F) -> F:
         return result
 
     return wrapper  # type: ignore[return-value]
+
+
+#: Set to an integer to draw every checker's random cases from that seed (a learner
+#: reproducing a rejection; the tests).
+SEED_VARIABLE = "DTLIB_EXERCISE_SEED"
+
+
+@contextlib.contextmanager
+def drawn_cases(check: str, seed: int | None = None) -> Iterator[random.Random]:
+    """A generator for the cases a checker draws beyond the page's, seeded per run.
+
+    The seed is ``seed`` if given, else the integer in ``$DTLIB_EXERCISE_SEED``, else
+    a fresh one. A :class:`WrongAnswer` raised in the block names the seed and how to
+    draw the same cases again.
+
+    Args:
+        check: the checker's name, for the message (``check_overlapped_ddp``).
+        seed: a fixed seed (None: as above).
+
+    Taught in: every chapter's exercises (the checkers' one rule for drawn cases).
+    """
+    if seed is None:
+        env = os.environ.get(SEED_VARIABLE, "").strip()
+        try:
+            seed = int(env) if env else random.SystemRandom().randrange(2 ** 32)
+        except ValueError:
+            raise ValueError(f"${SEED_VARIABLE}={env!r}: give an integer") from None
+    try:
+        yield random.Random(seed)
+    except WrongAnswer as exc:
+        again = (f" (a case drawn with seed {seed}: {check}(..., seed={seed}) draws it "
+                 "again)")
+        raise WrongAnswer(exc.what + again, exc.hint).with_traceback(None) from None
 
 
 def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],

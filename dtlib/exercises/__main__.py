@@ -1,5 +1,6 @@
 """``python -m dtlib.exercises strip notebooks -o exercises``: write learner
-notebooks; ``python -m dtlib.exercises grade PATH...``: grade them headless."""
+notebooks; ``python -m dtlib.exercises grade PATH...``: grade them headless;
+``python -m dtlib.exercises mutants [--chapter N]``: mutation-test the checkers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import sys
 
 from dtlib.exercises.grade import main as grade
+from dtlib.exercises.mutants import main as mutants
 from dtlib.exercises.strip import strip_tree
 
 
@@ -26,7 +28,32 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--json", action="store_true", help="print the rows as JSON")
     g.add_argument("--cell-timeout", type=float, default=600.0, metavar="S",
                    help="seconds one cell may run (default 600)")
+    m = sub.add_parser("mutants", help="run mutants of every exercise's solution "
+                       "through its checker; print mutants, killed, equivalent and "
+                       "survivors per exercise")
+    m.add_argument("--chapter", type=int, metavar="N", help="only chapter N")
+    m.add_argument("--exercise", metavar="LABEL",
+                   help="only this exercise (its label, such as ch2-ex-allgather)")
+    m.add_argument("--limit", type=int, metavar="K",
+                   help="a fixed sample of K mutants per exercise (default: all)")
+    m.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds one mutant may run before it counts as a hang "
+                   "(default 60)")
+    m.add_argument("--notebooks", default="notebooks", metavar="DIR",
+                   help="folder of the book's notebooks (default notebooks)")
+    m.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
+    if args.command == "mutants":
+        if args.limit is not None and args.limit < 1:
+            parser.error(f"--limit={args.limit}: give a positive number of mutants")
+        if args.timeout <= 0:
+            parser.error(f"--timeout={args.timeout:g}: give a positive number of "
+                         "seconds")
+        try:
+            sys.exit(mutants(args.chapter, args.notebooks, args.exercise, args.limit,
+                             args.json, args.timeout))
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.command == "grade":
         if args.cell_timeout <= 0:
             parser.error(f"--cell-timeout={args.cell_timeout:g}: give a positive "

@@ -154,6 +154,39 @@ def _watched_save(save: Callable[[Any, str], Any], obj: Any, path: str
     return problems
 
 
+def _open_fds() -> set[str] | None:
+    """This process's open file descriptors (None where /proc cannot tell)."""
+    try:
+        return set(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def _side_effects(umask: int, fds: set[str] | None, path: str) -> list[str]:
+    """What ``save`` changed besides ``path``: the umask, descriptors left open, and
+    the checkpoint's permissions (a plain ``open(path, "wb")`` gives ``0o666`` less
+    the umask; ``mkstemp`` makes its file ``0o600``)."""
+    problems = []
+    now = os.umask(umask)
+    if now != umask:
+        problems.append(f"save() left the process's umask at {now:#o} (it was "
+                        f"{umask:#o}): put back what os.umask returned")
+    after = _open_fds()
+    if fds is not None and after is not None and len(after - fds) > 0:
+        problems.append(f"save() left {len(after - fds)} file descriptor(s) open: "
+                        "close every os.open (in a finally), or a long run runs out")
+    if os.path.exists(path):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        want = 0o666 & ~umask
+        if mode != want:
+            problems.append(f"the checkpoint's permissions are {mode:#o}, where a "
+                            f"plain open(path, 'wb') gives {want:#o} (0o666 less the "
+                            "umask): "
+                            "mkstemp makes its file private, so chmod it before the "
+                            "rename")
+    return problems
+
+
 @checker
 def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
     """Check ``save(obj, path)``: afterwards ``path`` holds ``obj``; a crash during the
@@ -162,12 +195,18 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
     rename then moves onto ``path`` (``os.replace``, or ``os.rename``, which POSIX also
     makes atomic; ``Path.replace``/``Path.rename`` call them), after which the directory
     is fsynced (``os.fsync`` or ``os.fdatasync``). Saves onto a new path and onto an
-    existing one, with tensors of two sizes."""
+    existing one, with tensors of two sizes. A save leaves nothing else changed: the
+    umask, no descriptor left open, the file with the permissions ``open`` would give
+    it; a crashed save raises and leaves no file behind."""
+    umask = os.umask(0o022)
+    os.umask(umask)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "step00000001.pt")
         for step, numel in ((1, 6), (2, 1 << 16)):  # a new file, then over it
             good = {"step": step, "w": torch.arange(float(numel))}
+            fds = _open_fds()
             problems = _watched_save(save, good, path)
+            problems += _side_effects(umask, fds, path)
             if problems:
                 raise WrongAnswer(f"save #{step}: " + "; ".join(problems) + ".",
                                   "write to tempfile.mkstemp(dir=<path's directory>), "
@@ -184,6 +223,19 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
             save({"step": 3, "w": torch.zeros(6), "x": CrashDuringSave()}, path)
         except SimulatedCrash:
             pass
+        else:
+            raise WrongAnswer(
+                "a save that crashed in the middle returned as if it had worked: the "
+                "caller believes a checkpoint was written.", "clean up in "
+                "`except BaseException:`, then `raise` the error again")
+        left = sorted(set(os.listdir(d)) - {os.path.basename(path)})
+        if left:
+            raise WrongAnswer(
+                f"a save that crashed in the middle left {left} behind in the "
+                "checkpoint's directory: every crash leaves one more file, and one "
+                "named like a checkpoint is a torn checkpoint for whoever resumes.",
+                "remove the temporary file when the write fails (os.unlink in "
+                "`except BaseException:`), then raise again")
         try:
             after = torch.load(path, weights_only=True)
         except Exception as exc:

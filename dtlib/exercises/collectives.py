@@ -104,6 +104,10 @@ def _check_all_gather_on_rank(source: str, name: str,
                           + 100 * r for r in range(n)])
         with watch_comms() as log:
             got = fn(shard.clone())
+        if isinstance(got, torch.Tensor) and got.dtype != dtype:
+            return [f"world_size={n}, rank {rank}: the shards are {dtype}, your "
+                    f"result is {got.dtype}: an all-gather keeps its input's dtype "
+                    "(make the output with dtype=tensor.dtype)"]
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or \
                 not torch.equal(got, want):
             shape_got = (f" (shape {tuple(got.shape)})" if isinstance(got, torch.Tensor)

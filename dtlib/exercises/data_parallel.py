@@ -73,8 +73,12 @@ def _source_of(fn: Callable[..., Any]) -> tuple[str, str]:
 STALL_S = 2.0
 
 
-def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
-    """On one rank: torch DDP on the tiny GPT with the learner's comm hook.
+def _ddp_with_hook(source: str, name: str, group: Any, replica: int, index: int
+                   ) -> dict[str, Any]:
+    """On one rank: torch DDP on the tiny GPT with the learner's comm hook, over the
+    process group ``group`` (replica group number ``replica``, this rank its
+    ``index``-th member; each replica group trains its own model on its own rows, so
+    a hook that reduces over another group than the one DDP hands it is wrong).
 
     Two backward passes: DDP's first puts every gradient in one bucket and then
     rebuilds its buckets in the order gradients arrived; the second (measured) pass
@@ -140,11 +144,11 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
                 open_gate(gate)
             notes["gates"].clear()
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = DistributedDataParallel(build_gpt(TINY), bucket_cap_mb=BUCKET_CAP_MB)
-    model.register_comm_hook(None, counting_hook)
-    idx, targets = token_batch(TINY, world_size * MICRO_BATCH, seed=0)
-    rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+    model = DistributedDataParallel(build_gpt(TINY, seed=replica),
+                                    bucket_cap_mb=BUCKET_CAP_MB, process_group=group)
+    model.register_comm_hook(group, counting_hook)
+    idx, targets = token_batch(TINY, dist.get_world_size(group) * MICRO_BATCH, seed=0)
+    rows = slice(index * MICRO_BATCH, (index + 1) * MICRO_BATCH)
     with count_comms(future_gate=future_gate) as log:
         model(idx[rows], targets[rows])[1].backward()  # DDP rebuilds its buckets
     model.zero_grad(set_to_none=True)
@@ -160,16 +164,32 @@ def _ddp_with_hook(source: str, name: str) -> dict[str, Any]:
             "stalled": notes["stalled"], "error": notes["error"]}
 
 
+def replica_groups(world_size: int) -> list[list[int]]:
+    """The replica groups the hook checker runs DDP in: the whole world up to 3
+    ranks; from 4 on, all ranks but the last, and the last alone. Groups of unequal
+    size: a hook that reduces over the world, or divides by the world's size or by a
+    constant, is wrong in at least one of them."""
+    ranks = list(range(world_size))
+    return [ranks] if world_size < 4 else [ranks[:-1], ranks[-1:]]
+
+
 def _run_hooks(hooks: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """On each rank: every hook in turn, each in a DDP of its own, beside this rank's
-    own gradient without DDP (what a hook that does not reduce would leave)."""
+    """On each rank: every hook in turn, each in a DDP of its own over this rank's
+    replica group (:func:`replica_groups`), beside this rank's own gradient without
+    DDP (what a hook that does not reduce would leave)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    idx, targets = token_batch(TINY, world_size * MICRO_BATCH, seed=0)
-    rows = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
-    local = build_gpt(TINY)
+    lines = replica_groups(world_size)
+    groups = [dist.new_group(line) for line in lines] if len(lines) > 1 \
+        else [dist.group.WORLD]  # new_group: every rank calls it for every group
+    replica = next(g for g, line in enumerate(lines) if rank in line)
+    per, index = len(lines[replica]), lines[replica].index(rank)
+    idx, targets = token_batch(TINY, per * MICRO_BATCH, seed=0)
+    rows = slice(index * MICRO_BATCH, (index + 1) * MICRO_BATCH)
+    local = build_gpt(TINY, seed=replica)
     local(idx[rows], targets[rows])[1].backward()
     own = grads_of(local)  # one object: sent once, however many hooks
-    return [{**_ddp_with_hook(source, name), "local": own} for source, name in hooks]
+    return [{**_ddp_with_hook(source, name, groups[replica], replica, index),
+             "local": own, "replica": replica} for source, name in hooks]
 
 
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -181,10 +201,16 @@ _ASYNC_HINT = ("issue the all-reduce with async_op=True and return the future ri
                "on it once, at the end of backward ('Seeing the overlap').")
 
 
-def _judge(res: dict[str, Any], rank: int, world_size: int, truth: torch.Tensor
-           ) -> WrongAnswer | None:
-    """What is wrong with one rank's run of a hook, or None."""
-    where = f"on {world_size} ranks, rank {rank}"
+def _judge(res: dict[str, Any], rank: int, world_size: int,
+           truths: list[torch.Tensor]) -> WrongAnswer | None:
+    """What is wrong with one rank's run of a hook, or None (``truths``: one
+    process's gradient for each replica group)."""
+    lines = replica_groups(world_size)
+    truth, line = truths[res["replica"]], lines[res["replica"]]
+    per = len(line)
+    where = f"on {world_size} ranks, rank {rank}" + (
+        f" (DDP over ranks {line}, one of the replica groups {lines})"
+        if len(lines) > 1 else "")
     if res["error"] is not None:
         if "completed()" in res["error"]:
             return WrongAnswer(
@@ -213,26 +239,35 @@ def _judge(res: dict[str, Any], rank: int, world_size: int, truth: torch.Tensor
             f"{where}: {res['calls']} all-reduce calls for {res['buckets']} "
             "buckets.", "one dist.all_reduce of bucket.buffer() per hook call.")
     got, local = _flat(res["grads"]), _flat(res["local"])
-    
     rel = _rel(world_size, TINY)
-    if _close(got, truth * world_size, rel):
-        return WrongAnswer(f"{where}: the gradients are world_size times too large: "
-                           "the all-reduce sums.", "divide the buffer by "
-                           "dist.get_world_size(group) (before or after).")
+    if _close(got, truth, rel):  # right (in a group of one, even a hook that sums)
+        return None
+    # over the world: its average, or each group's own average summed
+    world = (sum(t * len(g) for t, g in zip(truths, lines)) / world_size, sum(truths))
+    if len(truths) > 1 and any(_close(got, w, rel) for w in world):
+        return WrongAnswer(f"{where}: your hook averaged over every rank of the world, "
+                           "not over the group DDP gave it.",
+                           "reduce over the hook's first argument: "
+                           "dist.all_reduce(..., group=group), and divide by "
+                           "dist.get_world_size(group)")
+    if _close(got, truth * per, rel):
+        return WrongAnswer(f"{where}: the gradients are {per} times too large (the "
+                           "number of ranks in the hook's group): the all-reduce sums.",
+                           "divide the buffer by dist.get_world_size(group) (before or "
+                           "after).")
     if _close(got, local, rel):
         return WrongAnswer(f"{where}: each rank kept its own gradient: the bucket was "
                            "not all-reduced, or the future does not return the "
                            "reduced buffer.")
-    if _close(got, truth, rel):
-        return None
     # The average times a constant: a divisor that is not this world's size.
     scale = float(got @ truth / (truth @ truth))
     if _close(got, scale * truth, rel):
         return WrongAnswer(
             f"{where}: the gradients are {scale:.3g} times the average: the sum was "
-            f"divided by {world_size / scale:.3g}, not by the world size.",
-            "divide by dist.get_world_size(group), which is the number of ranks "
-            "this run has, never a constant")
+            f"divided by {per / scale:.3g}, not by the number of ranks in the "
+            f"hook's group ({per}).",
+            "divide by dist.get_world_size(group): the size of the group DDP hands "
+            "the hook, never a constant or the world's size")
     err = (got - truth).abs().max().item()
     return WrongAnswer(f"{where}: gradients differ from one process's by up to "
                        f"{err:.3g}.", "the future's value must be the averaged "
@@ -270,6 +305,7 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
         todo = [i for i, v in enumerate(verdicts) if v is None]
         if not todo:
             break
+        lines = replica_groups(world_size)
         try:
             # 60 s as for one hook, plus per further hook one DDP build and two
             # backward passes of the tiny GPT (a second or two on a loaded laptop)
@@ -286,13 +322,15 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
             for i in todo:
                 verdicts[i] = wrong
             continue
-        truth = _flat(reference_gpt_run(TINY, world_size * MICRO_BATCH, 1)["grads"])
+        truths = [_flat(reference_gpt_run(TINY, len(line) * MICRO_BATCH, 1,
+                                          seed=g)["grads"])
+                  for g, line in enumerate(lines)]
         for j, i in enumerate(todo):
             if per_rank[0][j]["buckets"] < 2:
                 raise AssertionError("the check ran with one bucket: lower "
                                      "BUCKET_CAP_MB")
             verdicts[i] = next((w for rank, ranks in enumerate(per_rank)
-                                if (w := _judge(ranks[j], rank, world_size, truth))
+                                if (w := _judge(ranks[j], rank, world_size, truths))
                                 is not None), None)
     return verdicts
 
@@ -305,7 +343,9 @@ def check_bucket_hook(hook: Callable[..., Any],
     It runs as torch DDP's gradient hook on 2 and then 4 real ranks over several
     buckets (:func:`hook_verdicts`): the gradients must equal one process's on the
     whole batch, with one asynchronous all-reduce per bucket that the hook returns
-    before it completes.
+    before it completes. On 4 ranks DDP runs in two replica groups (ranks 0-2 and
+    rank 3, :func:`replica_groups`), each with its own model and rows, so the hook
+    must reduce over the group DDP hands it.
     """
     wrong = hook_verdicts([hook], world_sizes)[0]
     if wrong is not None:

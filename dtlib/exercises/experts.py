@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from dtlib.collectives.accounting import count_comms
 from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
@@ -40,6 +41,28 @@ def _truth(case: int, rank: int, n: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
+class UnstableSorts(TorchFunctionMode):
+    """Notes every sort of a tensor with ties that does not ask for ``stable=True``
+    (``torch.sort``/``argsort`` and their tensor methods). On a CPU torch sorts
+    stably whatever it is asked; on a GPU an unstable sort returns tied elements in
+    any order, so the same code is right on one and wrong on the other. Keys without
+    ties (``dest * rows + arange``, say) need no stability and are not noted."""
+
+    SORTS = (torch.sort, torch.argsort, torch.Tensor.sort, torch.Tensor.argsort)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in self.SORTS and not kwargs.get("stable"):
+            t = args[0] if args else kwargs.get("input")
+            if isinstance(t, torch.Tensor) and t.numel() > torch.unique(t).numel():
+                self.found.append(func.__name__)
+        return func(*args, **kwargs)
+
+
 def dispatch_on_rank(dispatch: Callable[..., torch.Tensor]) -> list[dict[str, Any]]:
     """On one rank: each case's rows and destinations passed to ``dispatch(x,
     dest)``, its all-to-alls counted, its result beside the one-process truth.
@@ -56,14 +79,14 @@ def dispatch_on_rank(dispatch: Callable[..., torch.Tensor]) -> list[dict[str, An
     out = []
     for case in range(3):
         x, dest = _case(case, rank, n)
-        with count_comms() as log:
+        with count_comms() as log, UnstableSorts() as sorts:
             got = dispatch(x.to(device), dest.to(device))
         got = got.detach().cpu() if isinstance(got, torch.Tensor) else \
             f"a {type(got).__name__}"
         a2a = [(r.numel, r.bytes) for r in log.records if r.op == "all_to_all"]
         others = sorted({r.op for r in log.records} - {"all_to_all"})
         out.append({"case": case, "got": got, "want": _truth(case, rank, n),
-                    "a2a": a2a, "others": others})
+                    "a2a": a2a, "others": others, "unstable": sorts.found})
         if len(a2a) < 2:
             break
     return out
@@ -103,6 +126,13 @@ def judge_dispatch(ranks: list[list[dict[str, Any]]]) -> None:
                     "per rank.", "count the rows for each destination "
                     "(torch.bincount(dest, minlength=world_size)) and exchange those")
             got, want = rec["got"], rec["want"]
+            if rec.get("unstable"):
+                raise WrongAnswer(
+                    f"{where}: your dispatch sorts destinations with ties without "
+                    "stable=True. Here, on a CPU, torch sorts stably anyway; on a GPU "
+                    "rows bound for one rank may come back in any order, and the "
+                    "receiver can no longer tell which token is which.",
+                    "torch.argsort(dest, stable=True)")
             if isinstance(got, str):
                 raise WrongAnswer(f"{where}: dispatch returned {got}, not a tensor.")
             if got.shape != want.shape:

@@ -50,12 +50,14 @@ def check_cp_volume(predict: Callable[[int, int, int, int], dict[str, Any]],
 
 # ---- build it: attention over a sequence split across ranks, on real ranks ----------
 
-RING_WORLD = 2
-# (batch, heads, full sequence, head dim): the first splits 8 tokens into 2 x 4, the
+#: Three ranks: a ring of two is also a swap (rank ^ 1 is its neighbour both ways),
+#: and there a block passed once too often comes home, which softmax cannot see.
+RING_WORLD = 3
+# (batch, heads, full sequence, head dim): the first splits 12 tokens into 3 x 4, the
 # second has an odd head count and 6 tokens per rank. q is scaled up so that softmax
-# is peaked and the two halves' log-sum-exps differ: a plain average of per-block
+# is peaked and the pieces' log-sum-exps differ: a plain average of per-block
 # outputs is then far from the truth.
-_RING_SHAPES = ((2, 2, 8, 4), (1, 3, 12, 8))
+_RING_SHAPES = ((2, 2, 12, 4), (1, 3, 18, 8))
 _Q_SCALE = 3.0
 
 
@@ -146,7 +148,7 @@ def judge_ring_step(ranks: list[list[dict[str, Any]]]) -> None:
 
 @checker
 def check_ring_step(attend: Callable[..., torch.Tensor]) -> None:
-    """Check ``attend(q, k, v) -> out`` on 2 real ranks: each rank holds a contiguous
+    """Check ``attend(q, k, v) -> out`` on 3 real ranks: each rank holds a contiguous
     piece of the sequence, ``(b, a, s / cp, d)`` for each of q, k and v (float64), and
     returns its rows of full non-causal softmax attention over the whole sequence.
 

@@ -70,10 +70,13 @@ def _synthetic(n_gpus: int, pp: int, dp: int, seq_len: int, m: int) -> Llama3Row
 
 # Rows beyond the page's: a bound met with equality (p = 5, m = 4, v = 5 gives
 # exactly 20 %), rows where the layer cap v * p <= 126 leaves no v, and a row that
-# needs no interleaving.
+# needs no interleaving. Around the cap (p = 42: v <= 3): one whose answer is the cap
+# itself (m = 70 needs v = 3), one that needs one chunk more than the cap allows
+# (m = 60 needs v = 4), and one with more stages than layers (p = 127: no v at all).
 _EXTRA_ROWS = (_synthetic(160, 5, 4, 4096, 4), _synthetic(4032, 63, 8, 8192, 2),
                _synthetic(2688, 42, 8, 2048, 3), _synthetic(512, 2, 32, 2048, 64),
-               _synthetic(1024, 8, 16, 4096, 4))
+               _synthetic(1024, 8, 16, 4096, 4), _synthetic(5376, 42, 16, 4096, 70),
+               _synthetic(2688, 42, 8, 8192, 60), _synthetic(16256, 127, 16, 4096, 700))
 _LAYERS = 126  # Llama 3 405B: a stage holds at least one of its 126 layers
 
 

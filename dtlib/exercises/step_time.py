@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from dtlib.exercises import WrongAnswer, as_number, check_close, checker, passed
+from dtlib.exercises import (WrongAnswer, as_number, check_close, checker, drawn_cases,
+                             passed)
 from dtlib.planner.overlap import Comm, two_streams
 from dtlib.planner.step_time import Machine, bucket_bytes, predict
 
@@ -28,7 +29,8 @@ def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], fl
                          cases: tuple[tuple[float, float, tuple[float, ...]], ...] = (
                              (1.0, 2.0, (0.5, 0.5)), (1.0, 3.0, (2.0, 0.1, 0.1)),
                              (2.0, 4.0, (0.3, 0.3, 0.3, 0.3)), (0.5, 1.0, (3.0,)),
-                             (1.0, 2.0, (0.2, 1.5)))) -> None:
+                             (1.0, 2.0, (0.2, 1.5))), seed: int | None = None
+                         ) -> None:
     """Check ``step_time(forward_s, backward_s, buckets_s)``: the seconds from the
     forward's start until the last bucket's all-reduce ends, for the overlapped DDP on
     a GPU (communication beside compute): backward splits evenly into one chunk per
@@ -37,12 +39,29 @@ def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], fl
 
     Args:
         step_time: the learner's function.
-        cases: ``(forward_s, backward_s, buckets_s)`` to try.
+        cases: ``(forward_s, backward_s, buckets_s)`` to try; three more are drawn
+            (in milliseconds, one to five buckets).
+        seed: seeds the drawn cases (default: a fresh draw each call, see
+            :func:`~dtlib.exercises.drawn_cases`).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 13, "An overlap rule per strategy".
     """
+    with drawn_cases("check_overlapped_ddp", seed) as rng:
+        # milliseconds, as steps of small models take
+        drawn = tuple((round(rng.uniform(1e-3, 0.05), 6),
+                       round(rng.uniform(0.01, 0.1), 6),
+                       tuple(round(rng.uniform(1e-3, 0.05), 6)
+                             for _ in range(rng.randint(1, 5)))) for _ in range(3))
+        _check_overlap_cases(step_time, tuple(cases) + drawn)
+    passed(f"your timeline matches the overlap rule on {len(cases) + 3} steps: only "
+           "what the last buckets cannot hide is exposed")
+
+
+def _check_overlap_cases(step_time: Callable[[float, float, Sequence[float]], float],
+                         cases: tuple[tuple[float, float, tuple[float, ...]], ...]
+                         ) -> None:
     for fwd, bwd, buckets in cases:
         got = step_time(fwd, bwd, list(buckets))
         got = got if as_number(got) is None else as_number(got)
@@ -63,8 +82,6 @@ def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], fl
             "play the two queues: chunk k of the backward ends at forward + "
             "k * backward / K; bucket k starts at the later of that and the end of "
             "bucket k - 1"))
-    passed(f"your timeline matches the overlap rule on {len(cases)} steps: only what "
-           "the last buckets cannot hide is exposed")
 
 
 #: Ranks of the exercise's measured step.
@@ -85,7 +102,8 @@ def measure_on_rank() -> dict:
 
 def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
     """(inputs the learner sees, workload, machine) for the measured machine, its
-    four-rank variant, and the same numbers with communication on its own engine."""
+    four-rank variant, the same numbers with communication on its own engine, and
+    with four cores per rank."""
     # loads torch on first use: this module imports without it
     from dtlib.planner.measure import machine_from
     from dtlib.planner.timing import TIME_GPT, workload_of
@@ -100,8 +118,10 @@ def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
                             control_collectives=False)
     out = []
     measured_share = fitted.shared.get(n)  # the ranks' own share, measured
+    # and a machine with cores to spare (4 per rank), where a rank's share is capped
+    # at a whole core: on a laptop of few cores no other case reaches the cap
     for ranks, c, share in ((n, cores, measured_share), (2 * n, cores, None),
-                            (n, None, None)):
+                            (n, None, None), (n, 4 * n, None)):
         m = Machine("exercise", fitted.flops_per_s, alpha, beta,
                     fitted.optimizer_s_per_param, cores=c,
                     shared={} if share is None else {ranks: share})
@@ -165,7 +185,8 @@ def check_predict_step(predict_step: Callable[[dict], float]) -> None:
 
     On 2 real ranks it measures the inputs and the step, judges the prediction
     against the model on the measured machine, on 4 ranks of it and on the same
-    numbers with an engine, then prints measured / predicted.
+    numbers with an engine and with four cores per rank, then prints measured /
+    predicted.
 
     Taught in: Chapter 13, exercise ch13-ex-predict.
     """
@@ -179,6 +200,6 @@ def check_predict_step(predict_step: Callable[[dict], float]) -> None:
                             stream=False)[0]
     ratio = judge_predict_step(predict_step, measured, os.cpu_count() or 1)
     where = "inside" if BAND[0] <= ratio <= BAND[1] else "outside"
-    passed(f"your model is the chapter's on three machines; measured / predicted on "
+    passed(f"your model is the chapter's on four machines; measured / predicted on "
            f"{PREDICT_WORLD} ranks here: {ratio:.2f}, {where} the band "
            f"{BAND[0]}-{BAND[1]} an idle machine keeps")

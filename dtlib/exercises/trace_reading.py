@@ -33,6 +33,13 @@ HAND_TRACES: tuple[tuple[Event, ...], ...] = (
     # one all-reduce that outlasts the compute
     (("aten::mm", 1, 0.0, 10_000.0), ("c10d::allreduce_", 1, 4_000.0, 5_000.0),
      ("gloo:all_reduce", 2, 5_000.0, 15_000.0), ("aten::add_", 1, 11_000.0, 12_000.0)),
+    # nested compute and overlapping gloo events after a first, separate pair: a
+    # merge that compares a span with the first merged span instead of the last
+    # keeps overlapping spans apart and counts their time twice
+    (("aten::add_", 1, 0.0, 1_000.0), ("gloo:all_reduce", 2, 500.0, 1_500.0),
+     ("aten::linear", 1, 2_000.0, 6_000.0), ("aten::mm", 1, 3_000.0, 5_000.0),
+     ("gloo:all_reduce", 2, 2_500.0, 7_000.0),
+     ("gloo:all_reduce", 3, 4_000.0, 8_000.0)),
 )
 
 

@@ -13,7 +13,7 @@ from dtlib.memory.formulas import model_state_bytes
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
 
 
-def _adamw(p, g, m, v, step, lr, bias_correction=True, decay=True):
+def _adamw(p, g, m, v, step, lr, bias_correction=True, decay=True, eps=EPS):
     b1, b2 = BETAS
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
@@ -21,11 +21,22 @@ def _adamw(p, g, m, v, step, lr, bias_correction=True, decay=True):
     mh, vh = (m / (1 - b1 ** t), v / (1 - b2 ** t)) if bias_correction else (m, v)
     if decay:
         p = p * (1 - lr * WEIGHT_DECAY)
-    return p - lr * mh / (vh.sqrt() + EPS)
+    return p - lr * mh / (vh.sqrt() + eps)
 
 
-def _case(world_size: int, numel: int, seed: int):
+def _case(world_size: int, numel: int, seed: int, tiny: bool = False):
+    """Padded parameters, one gradient per rank, this shard's moments. ``tiny``: fresh
+    moments (zero) and gradients of about ``eps``, zero on every rank in the first
+    half of each shard, where Adam's ``eps`` decides the step (0 / 0 without it)."""
     gen = torch.Generator().manual_seed(seed)
+    if tiny:
+        padded = -(-numel // world_size) * world_size
+        shard = padded // world_size
+        params = torch.randn(padded, generator=gen)
+        zero = (torch.arange(padded) % shard) < shard // 2
+        grads = [torch.where(zero, 0.0, torch.randn(padded, generator=gen) * EPS)
+                 for _ in range(world_size)]
+        return params, grads, torch.zeros(shard), torch.zeros(shard)
     padded = -(-numel // world_size) * world_size
     params = torch.zeros(padded)
     params[:numel] = torch.randn(numel, generator=gen)
@@ -51,17 +62,21 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
     AdamW step (betas (0.9, 0.999), eps 1e-8, weight_decay 0.01) on the averaged
     gradient, which is what the reduce-scatter delivers.
     """
-    for world_size, numel, step in ((4, 37, 3), (2, 10, 0), (3, 30, 7)):
+    for world_size, numel, step, tiny in ((4, 37, 3, False), (2, 10, 0, False),
+                                          (3, 30, 7, False), (2, 12, 0, True)):
         lr = 1e-2
         for rank in range(world_size):
-            params, grads, m, v = _case(world_size, numel, 10 * world_size + rank)
+            params, grads, m, v = _case(world_size, numel, 10 * world_size + rank,
+                                        tiny)
             shard = params.numel() // world_size
             lo, hi = rank * shard, (rank + 1) * shard
             mean = torch.stack(grads).mean(0)
             want = _adamw(params[lo:hi], mean[lo:hi], m, v, step, lr)
             got = fn(params.clone(), [g.clone() for g in grads], rank, m.clone(),
                      v.clone(), step, lr)
-            where = f"world_size={world_size}, rank={rank}, {numel} parameters"
+            where = f"world_size={world_size}, rank={rank}, {numel} parameters" + (
+                ", fresh moments and gradients near eps (some zero on every rank)"
+                if tiny else "")
             if not torch.is_tensor(got) or got.shape != want.shape:
                 shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
                 raise WrongAnswer(
@@ -73,8 +88,17 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
             # m / sqrt(v) (v >= 0.001 * g**2 here, far above eps). atol 1e-6 and rtol
             # 1e-5 leave ten times that; every wrong answer below moves the shard by
             # ~lr = 1e-2.
+            # In the tiny case every step is lr * m_hat / (sqrt(v_hat) + eps) with
+            # m_hat and sqrt(v_hat) about eps: float32 keeps its 2**-24 relative
+            # precision down there, so the same bound holds; a missing or changed eps
+            # moves a step by a sizeable part of lr (or makes it 0 / 0).
             if torch.allclose(got, want, atol=1e-6, rtol=1e-5):
                 continue
+            if got.isnan().any():
+                raise WrongAnswer(
+                    f"{where}: your shard has NaN where the gradient and both moments "
+                    "are zero.", "AdamW divides by sqrt(v_hat) + eps (eps = 1e-8): "
+                    "the eps keeps 0 / 0 out")
             hints = [
                 (_adamw(params[lo:hi], mean[lo:hi] * world_size, m, v, step, lr),
                  "you used the summed gradient: the reduce-scatter sums, divide by "
@@ -94,6 +118,8 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
                 (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr, decay=False),
                  "weight decay is missing: AdamW multiplies p by "
                  "1 - lr * weight_decay"),
+                (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr, eps=0.0),
+                 "eps is missing: AdamW divides by sqrt(v_hat) + eps"),
             ]
             hint = next((h for alt, h in hints if torch.allclose(got, alt, atol=1e-6)),
                         f"rank {rank} owns elements [{lo}, {hi}) of the flat buffer")
@@ -148,26 +174,35 @@ def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]]) -> None:
 
 # ---- build it: ZeRO-2's gradient reduce-scatter, as a hook, on real ranks ------------
 
-def _zero2_model() -> torch.nn.Module:
+def _zero2_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     # Every parameter's numel (32, 8, 32, 4) divides by 2 and by 4: no padding to teach.
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
-                               torch.nn.Linear(8, 4))
+                               torch.nn.Linear(8, 4)).to(dtype)
 
 
-def _zero2_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _zero2_batch(rank: int, dtype: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    return (torch.randn(3, 4, generator=gen).to(dtype),
+            torch.randn(3, 4, generator=gen).to(dtype))
+
+
+def _zero2_dtype(world_size: int) -> torch.dtype:
+    """The model's dtype on each world the check runs: float64 from 4 ranks on, so a
+    shard made in the default dtype is caught."""
+    return torch.float64 if world_size >= 4 else torch.float32
 
 
 def _zero2_on_rank(hook: Callable[[torch.nn.Parameter], None]) -> dict[str, Any]:
     """On every rank: the learner's hook on every parameter, one backward."""
     import torch.distributed as dist
 
-    model = _zero2_model()
+    dtype = _zero2_dtype(dist.get_world_size())
+    model = _zero2_model(dtype)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(hook)
-    x, y = _zero2_batch(dist.get_rank())
+    x, y = _zero2_batch(dist.get_rank(), dtype)
     # count_comms names each collective once, whichever spelling the hook used
     # (reduce_scatter_single; reduce_scatter over a list; reduce_scatter_tensor, the
     # older name, which calls reduce_scatter_single where that exists);
@@ -182,9 +217,10 @@ def _zero2_on_rank(hook: Callable[[torch.nn.Parameter], None]) -> dict[str, Any]
 def _zero2_truth(world_size: int) -> list[torch.Tensor]:
     """The averaged gradient of every parameter, flattened, from one process."""
     grads = []
+    dtype = _zero2_dtype(world_size)
     for rank in range(world_size):
-        model = _zero2_model()
-        x, y = _zero2_batch(rank)
+        model = _zero2_model(dtype)
+        x, y = _zero2_batch(rank, dtype)
         torch.nn.functional.mse_loss(model(x), y).backward()
         grads.append([p.grad.reshape(-1) for p in model.parameters()])
     return [torch.stack(per).mean(0) for per in zip(*grads)]
@@ -237,6 +273,10 @@ def check_zero2_hook(hook: Callable[[torch.nn.Parameter], None],
                         f"{where}, {name}: param.grad_shard should be a tensor of "
                         f"{k} elements (numel / world_size), got "
                         f"{tuple(got.shape) if torch.is_tensor(got) else got!r}.")
+                if got.dtype != want.dtype:
+                    raise WrongAnswer(f"{where}, {name}: the model is {want.dtype}, "
+                                      f"your shard is {got.dtype}.", "make the shard "
+                                      "in the gradient's dtype (dtype=flat.dtype)")
                 if torch.allclose(got, want * n, rtol=1e-5, atol=1e-7):
                     raise WrongAnswer(f"{where}, {name}: the shard is world_size times "
                                       "too large: the reduce-scatter sums.",
