@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["Row", "STATUSES", "grade_notebook", "grade_paths", "main"]
+__all__ = ["EXERCISE_LABEL", "Row", "STATUSES", "grade_notebook", "grade_paths", "main"]
 
 STATUSES = ("correct", "wrong", "not attempted", "error")
-_EXERCISE = re.compile(r"```\{exercise\}[^\n]*\n(?::[^\n]*\n)*?:label:\s*(\S+)")
+#: An exercise block of a page and its label (group 1).
+EXERCISE_LABEL = re.compile(r"```\{exercise\}[^\n]*\n(?::[^\n]*\n)*?:label:\s*(\S+)")
 _CHECK_CALL = re.compile(r"^\s*(?:\w+\s*=\s*)?(?:[\w.]+\.)?check_\w+\(", re.M)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -113,7 +114,7 @@ def grade_notebook(path: str | Path, cell_timeout: float = 600.0,
     for cell in nb.cells:
         source = cell.get("source", "")
         if cell.get("cell_type") == "markdown":
-            found = _EXERCISE.search(source)
+            found = EXERCISE_LABEL.search(source)
             if found:
                 current = found.group(1)
             continue

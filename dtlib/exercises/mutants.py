@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from dtlib.exercises.grade import _EXERCISE
+from dtlib.exercises.grade import EXERCISE_LABEL
 from dtlib.exercises.strip import BEGIN, END
 
 __all__ = ["EQUIVALENTS_FILE", "Exercise", "Mutant", "Outcome", "equivalents",
@@ -133,7 +133,7 @@ def exercises(notebooks: str | Path = "notebooks",
         for i, cell in enumerate(cells):
             source = "".join(cell["source"])
             if cell["cell_type"] == "markdown":
-                found = _EXERCISE.search(source)
+                found = EXERCISE_LABEL.search(source)
                 label = found.group(1) if found else label
                 continue
             if cell["cell_type"] != "code":
