@@ -36,21 +36,20 @@ def test_a_count_accepts_integers_and_whole_fractions_only() -> None:
 
 @pytest.mark.parametrize("spell", [np.int64, Fraction, np.float64])
 def test_checkers_of_closed_forms_accept_other_spellings(spell, capsys) -> None:
-    from dtlib.collectives.cost_model import cost_terms
     from dtlib.exercises.accumulation import check_allreduce_calls
     from dtlib.exercises.memory import check_bytes_per_param
     from dtlib.exercises.tensor_parallel import check_tp_numbers
-    from dtlib.tensor_parallel.gpt import block_tp_numbers
 
     check_bytes_per_param(spell(16))
     if spell is not np.float64:  # a count: an integer, in any integer type
         check_allreduce_calls(lambda a, n, no_sync: spell(n if no_sync else a * n))
 
     def tp(h: int, b: int, s: int, tp: int) -> dict:
-        t = block_tp_numbers(h, b, s, tp)
+        # Chapter 5's count, by hand (the book's block_tp_numbers is the truth, and
+        # switched off while the answer runs)
+        t = {"params_per_rank": (12 * h * h + 7 * h) // tp + 2 * h,
+             "allreduce_bytes": 4 * b * s * h * 4}
         ring = Fraction(2 * (tp - 1), tp) * int(t["allreduce_bytes"])
-        assert float(ring) == pytest.approx(
-            t["allreduce_bytes"] * cost_terms("ring", "all_reduce", tp)[1])
         return {"params_per_rank": spell(int(t["params_per_rank"])),
                 "allreduce_bytes": spell(int(t["allreduce_bytes"])),
                 "ring_send_bytes": ring if spell is Fraction else spell(float(ring))}

@@ -361,12 +361,16 @@ def _column_without_f(x, weight_shard, bias_shard):
 
 def test_column_parallel_checker(capsys) -> None:
     from dtlib.exercises.tensor_parallel import check_column_parallel
+    from dtlib.exercises.tripwires import ShortcutTaken
     from dtlib.tensor_parallel.mappings import copy_to_tp
 
     check_column_parallel(_column_with_f)
-    check_column_parallel(lambda x, w, b: torch.nn.functional.linear(copy_to_tp(x), w, b),
-                          world_sizes=(2,))
-    assert capsys.readouterr().out.count("Correct") == 2
+    assert capsys.readouterr().out.count("Correct") == 1
+    # the book's own f is what the exercise asks for: switched off while it runs
+    with pytest.raises(ShortcutTaken, match="copy_to_tp"):
+        check_column_parallel(
+            lambda x, w, b: torch.nn.functional.linear(copy_to_tp(x), w, b),
+            world_sizes=(2,))
     with pytest.raises(WrongAnswer, match="x.grad holds only this rank's share"):
         check_column_parallel(_column_without_f, world_sizes=(2,))
 

@@ -115,8 +115,11 @@ def test_saved_bytes_truth_is_the_measured_block():
 # ---- Chapter 7: a loss-scaler step that the ranks agree on ------------------------
 
 def _scaler(grads, scale, tracker, interval, *, agree=True, nan=True,
-            reset_on_growth=True, reset_on_skip=True, unscale=True, op="max"):
-    if nan:
+            reset_on_growth=True, reset_on_skip=True, unscale=True, op="max",
+            looks_at=None):
+    if looks_at is not None:  # one tensor, or one element, stands for all
+        bad = ~torch.isfinite(looks_at(grads)).all()
+    elif nan:
         bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
     else:  # looks for inf only
         bad = torch.stack([torch.isinf(g).any() for g in grads]).any()
@@ -163,7 +166,16 @@ def not_unscaling(g, s, t, i):
     return _scaler(g, s, t, i, unscale=False)
 
 
-SCALER_ANSWERS = {"right": right_scaler, "summed": summed_flag_scaler,
+def first_element_of_the_second(g, s, t, i):  # where the checker once poisoned
+    return _scaler(g, s, t, i, looks_at=lambda gs: gs[1][0])
+
+
+def last_tensor_only(g, s, t, i):
+    return _scaler(g, s, t, i, looks_at=lambda gs: gs[-1])
+
+
+SCALER_ANSWERS = {"right": right_scaler, "grads[1][0]": first_element_of_the_second,
+                  "grads[-1]": last_tensor_only, "summed": summed_flag_scaler,
                   "inf_only": inf_only_scaler,
                   "growth_tracker": no_tracker_reset_on_growth,
                   "skip_tracker": no_tracker_reset_on_skip, "local": local_scaler,
@@ -203,7 +215,8 @@ def test_scaler_accepts(scaler_results, name, capsys):
 @pytest.mark.parametrize("name, match", [
     ("inf_only", "nan.*skip=False"), ("growth_tracker", "growth_tracker="),
     ("skip_tracker", "growth_tracker="), ("local", "the ranks disagree"),
-    ("not_unscaled", "not unscaled")])
+    ("not_unscaled", "not unscaled"), ("grads[1][0]", "skip=False"),
+    ("grads[-1]", "skip=False")])
 def test_scaler_rejects(scaler_results, name, match):
     with pytest.raises(WrongAnswer, match=match):
         prec.judge_scaler_steps(scaler_results[name])
@@ -234,7 +247,8 @@ def test_format_constants_rejects_a_lookup_of_the_known_formats():
         prec.check_format_constants(lookup)
     with pytest.raises(WrongAnswer, match="largest"):  # the all-ones exponent used
         prec.check_format_constants(lambda e, m: (
-            *prec.ieee_constants(e, m)[:2], (2 - 2.0 ** -m) * 2.0 ** (2 ** (e - 1))))
+            2.0 ** -m, 2.0 ** (2 - 2 ** (e - 1) - m),
+            (2 - 2.0 ** -m) * 2.0 ** (2 ** (e - 1))))
 
 
 def test_fit_accepts_every_margin_up_to_the_recommended_one(capsys):

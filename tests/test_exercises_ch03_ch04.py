@@ -243,7 +243,7 @@ def test_sampler_indices_checker(capsys) -> None:
     for wrong, match in ((_no_epoch, "seeded with seed \\+ epoch"),
                          (_padding_once, "as many times as needed"),
                          (_contiguous_blocks, "round-robin"),
-                         (_asks_the_sampler, "asks DistributedSampler itself")):
+                         (_asks_the_sampler, "called `torch.*DistributedSampler.__iter__`")):
         with pytest.raises(WrongAnswer, match=match):
             check_sampler_indices(wrong)
 

@@ -22,7 +22,6 @@ the learner's copies with each solution replaced by a stub.
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import inspect
 import math
@@ -30,44 +29,14 @@ import numbers
 import os
 import random
 import textwrap
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
+
+from dtlib.exercises.feedback import WrongAnswer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Wrong tries per checker since its last success: the feedback escalates with them.
 _ATTEMPTS: dict[str, int] = {}
-
-
-class WrongAnswer(AssertionError):
-    """The learner's answer is wrong.
-
-    ``what`` says what is wrong; ``hint`` where to look (a message ``"... Hint: ..."``
-    is split at the hint). ``str()`` holds both; a notebook shows the hint from the
-    second wrong try on (``attempt``, set by :func:`checker`).
-    """
-
-    def __init__(self, message: str, hint: str = "") -> None:
-        what, sep, embedded = message.partition(" Hint: ")
-        if not sep:
-            what, sep, embedded = message.partition("\nHint: ")
-        self.what = what.rstrip()
-        self.hint = (hint or embedded).strip()
-        self.attempt = 1
-        self.exercise = ""
-        super().__init__(self.what + (f" Hint: {self.hint}" if self.hint else ""))
-
-    def _render_traceback_(self) -> list[str]:
-        # IPython calls this instead of printing a traceback: the learner sees the
-        # feedback, not the checker's source.
-        head = "\x1b[1;31mNot yet\x1b[0m" + (f" ({self.exercise})"
-                                             if self.exercise else "")
-        lines = [f"{head}: {self.what}"]
-        if self.hint and self.attempt >= 2:
-            lines.append(f"\x1b[1mHint\x1b[0m: {self.hint}")
-        elif self.hint:
-            lines.append("(Change your answer and run the cell again; a hint comes "
-                         "from the second try on.)")
-        return lines
 
 
 class NotAttempted(Exception):
@@ -117,22 +86,50 @@ def _stub_in(args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def checker(fn: F) -> F:
+def checker(fn: F | None = None, *,
+            forbids: Mapping[str, str] | None = None) -> Any:
     """Give a checker the common manners (see the module docstring).
+
+    Used bare (``@checker``) or with what the exercise asks the learner to build
+    (``@checker(forbids={"module:qualname": "why", ...})``).
 
     Args:
         fn: a ``check_*`` function that prints via :func:`passed` or raises
             :class:`WrongAnswer`.
+        forbids: functions that raise :class:`~dtlib.exercises.tripwires.ShortcutTaken`
+            while the learner's function runs (every alias, captured or not; on every
+            rank it travels to): the book's own answer, torch's, the checker's truth.
     Returns:
         The wrapped checker: returns None when the exercise is untouched (after saying
-        so), re-raises :class:`WrongAnswer` with the try count attached.
+        so), re-raises :class:`WrongAnswer` with the try count attached. A checker
+        with a ``seed`` parameter draws its cases from it: the one given, else
+        ``$DTLIB_EXERCISE_SEED``, else a fresh one, and a rejection names it.
     """
+    if fn is None:
+        return functools.partial(checker, forbids=forbids)
+    signature = inspect.signature(fn)
+    draws = "seed" in signature.parameters
+    forbidden = dict(forbids or {})
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         stub = _stub_in(args, kwargs)
         if stub is not None:
             return not_attempted(stub)
+        seed = None
+        if draws:
+            bound = signature.bind_partial(*args, **kwargs)
+            seed = bound.arguments.get("seed")
+            seed = case_seed() if seed is None else seed
+            bound.arguments["seed"] = seed
+            args, kwargs = bound.args, bound.kwargs
+        if forbidden:
+            from dtlib.exercises.tripwires import guarded
+
+            args = tuple(guarded(a, forbidden) if _learner_callable(a) else a
+                         for a in args)
+            kwargs = {k: guarded(v, forbidden) if _learner_callable(v) else v
+                      for k, v in kwargs.items()}
         try:
             result = fn(*args, **kwargs)
         except NotAttempted as exc:
@@ -140,7 +137,18 @@ def checker(fn: F) -> F:
         except NotImplementedError:
             # The learner's function raised its stub while the checker called it.
             return not_attempted("your function")
-        except WrongAnswer as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is feedback
+            from dtlib.exercises.tripwires import ShortcutTaken, shortcut_in
+
+            shortcut = None if isinstance(exc, ShortcutTaken) else shortcut_in(str(exc))
+            if shortcut is not None:
+                exc = ShortcutTaken(shortcut)
+            elif not isinstance(exc, WrongAnswer):
+                raise
+            if draws and not isinstance(exc, ShortcutTaken):
+                exc = type(exc)(exc.what + f" (cases drawn with seed {seed}: "
+                                f"{fn.__name__}(..., seed={seed}) or "
+                                f"{SEED_VARIABLE}={seed} draws them again)", exc.hint)
             _ATTEMPTS[fn.__qualname__] = _ATTEMPTS.get(fn.__qualname__, 0) + 1
             exc.attempt = _ATTEMPTS[fn.__qualname__]
             exc.exercise = fn.__name__.removeprefix("check_").replace("_", " ")
@@ -148,7 +156,13 @@ def checker(fn: F) -> F:
         _ATTEMPTS.pop(fn.__qualname__, None)
         return result
 
-    return wrapper  # type: ignore[return-value]
+    wrapper.forbids = forbidden  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _learner_callable(value: Any) -> bool:
+    """A function the learner wrote (not a class, not a string of source)."""
+    return callable(value) and not isinstance(value, type)
 
 
 #: Set to an integer to draw every checker's random cases from that seed (a learner
@@ -156,32 +170,17 @@ def checker(fn: F) -> F:
 SEED_VARIABLE = "DTLIB_EXERCISE_SEED"
 
 
-@contextlib.contextmanager
-def drawn_cases(check: str, seed: int | None = None) -> Iterator[random.Random]:
-    """A generator for the cases a checker draws beyond the page's, seeded per run.
-
-    The seed is ``seed`` if given, else the integer in ``$DTLIB_EXERCISE_SEED``, else
-    a fresh one. A :class:`WrongAnswer` raised in the block names the seed and how to
-    draw the same cases again.
-
-    Args:
-        check: the checker's name, for the message (``check_overlapped_ddp``).
-        seed: a fixed seed (None: as above).
+def case_seed() -> int:
+    """The seed a checker draws its cases from when none is given: the integer in
+    ``$DTLIB_EXERCISE_SEED``, else a fresh one.
 
     Taught in: every chapter's exercises (the checkers' one rule for drawn cases).
     """
-    if seed is None:
-        env = os.environ.get(SEED_VARIABLE, "").strip()
-        try:
-            seed = int(env) if env else random.SystemRandom().randrange(2 ** 32)
-        except ValueError:
-            raise ValueError(f"${SEED_VARIABLE}={env!r}: give an integer") from None
+    env = os.environ.get(SEED_VARIABLE, "").strip()
     try:
-        yield random.Random(seed)
-    except WrongAnswer as exc:
-        again = (f" (a case drawn with seed {seed}: {check}(..., seed={seed}) draws it "
-                 "again)")
-        raise WrongAnswer(exc.what + again, exc.hint).with_traceback(None) from None
+        return int(env) if env else random.SystemRandom().randrange(2 ** 32)
+    except ValueError:
+        raise ValueError(f"${SEED_VARIABLE}={env!r}: give an integer") from None
 
 
 def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Callable, Sequence
 
 from dtlib.exercises import (WrongAnswer, as_number, as_integer, checker, passed,
@@ -26,12 +27,23 @@ ALLREDUCE_CASES = ((1, 1, True), (1, 5, False), (4, 1, True), (4, 1, False),
                    (4, 7, True), (4, 7, False), (8, 3, True), (3, 3, False))
 
 
-@checker
-def check_allreduce_calls(calls: Callable[[int, int, bool], int]) -> None:
+#: What ``check_allreduce_calls`` switches off while the learner's function runs.
+_ALLREDUCE_CALLS_FORBIDS = {
+    'dtlib.data_parallel.ddp:allreduce_calls_per_step': "the book's own count",
+}
+
+
+@checker(forbids=_ALLREDUCE_CALLS_FORBIDS)
+def check_allreduce_calls(calls: Callable[[int, int, bool], int],
+                          seed: int | None = None) -> None:
     """Check ``calls(accum_steps, n_buckets, no_sync) -> int``: gradient all-reduce
     calls one rank issues per optimizer step (DDP with ``n_buckets`` buckets), with
-    all but the last micro-batch inside ``no_sync()`` when ``no_sync`` is true."""
-    for accum_steps, n_buckets, no_sync in ALLREDUCE_CASES:
+    all but the last micro-batch inside ``no_sync()`` when ``no_sync`` is true. The
+    page's cases and four drawn from ``seed`` (up to 64 micro-batches, 50 buckets)."""
+    rng = random.Random(seed)
+    drawn = tuple((rng.randint(1, 64), rng.randint(1, 50), no_sync)
+                  for no_sync in (True, False, True, False))
+    for accum_steps, n_buckets, no_sync in (*ALLREDUCE_CASES, *drawn):
         want = n_buckets if no_sync else accum_steps * n_buckets
         got = calls(accum_steps, n_buckets, no_sync)
         if as_integer(got) is None:
@@ -75,7 +87,13 @@ def _scale_on_rank(scale: Callable[[list[int]], float],
 ONE_COLLECTIVE = (["all_reduce"], ["all_gather"], ["all_gather", "all_gather"])
 
 
-@checker
+#: What ``check_loss_scale_on_ranks`` switches off while the learner's function runs.
+_LOSS_SCALE_ON_RANKS_FORBIDS = {
+    'dtlib.exercises.accumulation:_scale_truth': "the checker's truth",
+}
+
+
+@checker(forbids=_LOSS_SCALE_ON_RANKS_FORBIDS)
 def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
                               world_sizes: tuple[int, ...] = (2, 4)) -> None:
     """Check ``scale(local_token_counts) -> float`` on real ranks.

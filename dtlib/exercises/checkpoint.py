@@ -187,7 +187,14 @@ def _side_effects(umask: int, fds: set[str] | None, path: str) -> list[str]:
     return problems
 
 
-@checker
+#: What ``check_atomic_save`` switches off while the learner's function runs.
+_ATOMIC_SAVE_FORBIDS = {
+    'dtlib.checkpoint.state:atomic_save': "the book's own atomic save",
+    'dtlib.checkpoint.state:save_checkpoint': "the book's own save",
+}
+
+
+@checker(forbids=_ATOMIC_SAVE_FORBIDS)
 def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
     """Check ``save(obj, path)``: afterwards ``path`` holds ``obj``; a crash during the
     write leaves the previous ``path`` intact; the data goes to a temporary file in
@@ -379,7 +386,19 @@ def judge_sharded_resume(answers: list[tuple[Callable[..., Any], Callable[..., A
         return [_verdict(res) for res in ranks[0]]
 
 
-@checker
+#: What ``check_sharded_resume`` switches off while the learner's function runs.
+_SHARDED_RESUME_FORBIDS = {
+    'dtlib.checkpoint.sharded:save_sharded': "the book's own sharded save",
+    'dtlib.checkpoint.sharded:load_sharded': "the book's own sharded load",
+    'dtlib.checkpoint.sharded:load_full': "the book's own load",
+    'dtlib.checkpoint.sharded:dcp_load_full': "the checker's one-process read",
+    'dtlib.checkpoint.safe_dcp:safe_dcp_load': "the book's own load",
+    'dtlib.checkpoint.state:save_checkpoint': "the book's own save",
+    'dtlib.checkpoint.state:load_checkpoint': "the book's own load",
+}
+
+
+@checker(forbids=_SHARDED_RESUME_FORBIDS)
 def check_sharded_resume(save: Callable[[Any, Any, str], Any],
                          load: Callable[[Any, Any, str], Any], total_steps: int = 2,
                          stop_at: int = 1) -> None:

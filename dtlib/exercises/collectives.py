@@ -28,6 +28,7 @@ import torch.distributed as dist
 from dtlib.collectives.accounting import count_comms
 from dtlib.collectives.algorithms import ring_all_reduce
 from dtlib.exercises import WrongAnswer, as_number, checker, passed
+from dtlib.exercises.tripwires import guarded
 from dtlib.runtime import diagnose, launch
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
@@ -56,7 +57,7 @@ def _load(source: str, name: str) -> Callable[..., Any]:
     exec(compile(source, f"<your {name}>", "exec"), namespace)  # noqa: S102
     if not callable(namespace.get(name)):
         raise WrongAnswer(f"the source defines no function named {name!r}")
-    return namespace[name]
+    return guarded(namespace[name], _RING_ALL_GATHER_FORBIDS)
 
 
 def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
@@ -123,7 +124,14 @@ def _check_all_gather_on_rank(source: str, name: str,
     return []
 
 
-@checker
+#: What ``check_ring_all_gather`` switches off while the learner's function runs.
+_RING_ALL_GATHER_FORBIDS = {
+    'dtlib.collectives.algorithms:ring_all_gather': "the book's own ring all-gather",
+    'dtlib.collectives.algorithms:all_gather_into': "the book's all-gather",
+}
+
+
+@checker(forbids=_RING_ALL_GATHER_FORBIDS)
 def check_ring_all_gather(fn: Callable[..., Any] | str,
                           world_sizes: tuple[int, ...] = (1, 2, 3, 4),
                           timeout: float = 30.0, seed: int | None = None) -> None:
@@ -188,7 +196,15 @@ def _ring_bytes_sent(nbytes: int) -> int:
     return log.total_bytes("send")
 
 
-@checker
+#: What ``check_bytes_sent`` switches off while the learner's function runs.
+_BYTES_SENT_FORBIDS = {
+    'dtlib.collectives.cost_model:bytes_sent_per_rank': "the book's formula",
+    'dtlib.collectives.cost_model:cost_terms': "the book's formula",
+    'dtlib.collectives.cost_model:collective_time': "the book's formula",
+}
+
+
+@checker(forbids=_BYTES_SENT_FORBIDS)
 def check_bytes_sent(predict: Callable[[int, int], float],
                      cases: tuple[tuple[int, int], ...] = ((4800, 2), (4800, 4),
                                                            (96, 4)),

@@ -11,6 +11,7 @@ self-contained: no names from other cells besides ``torch`` and ``dist``.
 from __future__ import annotations
 
 import inspect
+import random
 import textwrap
 import threading
 from typing import Any, Callable
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from dtlib.collectives.accounting import count_comms
 from dtlib.data_parallel import sampling
 from dtlib.exercises import WrongAnswer, checker, passed
+from dtlib.exercises.tripwires import guarded
 from dtlib.models.gpt import build_gpt, token_batch
 from dtlib.models.reference import grads_of, reference_gpt_run
 from dtlib.models.sizes import size
@@ -94,7 +96,7 @@ def _ddp_with_hook(source: str, name: str, group: Any, replica: int, index: int
 
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
     exec(compile(source, f"<your {name}>", "exec"), namespace)
-    learner_hook = namespace[name]
+    learner_hook = guarded(namespace[name], _BUCKET_HOOK_FORBIDS)
     notes: dict[str, Any] = {"in_hook": 0, "issued": [], "waits": 0, "stalled": 0,
                              "gates": [], "error": None}
     buckets: list[int] = []
@@ -335,7 +337,20 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
     return verdicts
 
 
-@checker
+#: What ``check_bucket_hook`` switches off while the learner's function runs.
+_BUCKET_HOOK_FORBIDS = {
+    'torch.distributed.algorithms.ddp_comm_hooks.default_hooks:allreduce_hook':
+        "torch's own averaging hook",
+    'torch.distributed.algorithms.ddp_comm_hooks.default_hooks:_allreduce_fut':
+        "torch's own averaging hook",
+    'dtlib.data_parallel.buckets:allreduce_buckets':
+        "the book's own bucket all-reduce",
+    'dtlib.data_parallel.buckets:allreduce_grads':
+        "the book's own gradient all-reduce",
+}
+
+
+@checker(forbids=_BUCKET_HOOK_FORBIDS)
 def check_bucket_hook(hook: Callable[..., Any],
                       world_sizes: tuple[int, ...] = (2, 4)) -> None:
     """Check a DDP comm hook ``hook(process_group, bucket) -> Future[Tensor]``.
@@ -370,35 +385,42 @@ def _contiguous(order: list[int], world_size: int, rank: int) -> list[int]:
     return padded[rank * per:(rank + 1) * per]
 
 
-@checker
+#: What ``check_sampler_indices`` switches off while the learner's function runs.
+_SAMPLER_INDICES_FORBIDS = {
+    'torch.utils.data.distributed:DistributedSampler.__iter__':
+        "torch's sampler itself",
+    'dtlib.data_parallel.sampling:shards': "the book's own sampler",
+    'dtlib.data_parallel.sampling:epoch_orders': "the book's own sampler",
+    'dtlib.data_parallel.sampling:ResumableSampler.__iter__': "the book's own sampler",
+}
+
+
+@checker(forbids=_SAMPLER_INDICES_FORBIDS)
 def check_sampler_indices(sampler_indices: Callable[[int, int, int, int, int],
-                                                    list[int]]) -> None:
+                                                    list[int]],
+                          seed: int | None = None) -> None:
     """Check ``sampler_indices(dataset_len, world_size, rank, epoch, seed)``, built
     without ``DistributedSampler``: the indices that rank's
     ``DistributedSampler(shuffle=True, drop_last=False, seed=seed)`` yields after
     ``set_epoch(epoch)``.
+
+    The page's cases and three drawn (``seed``): worlds of 1 to 6 ranks, datasets
+    from smaller than the world to several times it, any sampler seed and epoch.
+    While the function runs, ``DistributedSampler.__iter__`` and the book's own
+    sampler raise (:data:`_SAMPLER_INDICES_FORBIDS`).
     """
-    from torch.utils.data import DistributedSampler
-
-    real_iter = DistributedSampler.__iter__
-
-    def refuse(self: Any) -> Any:  # noqa: ARG001
-        raise WrongAnswer("your function asks DistributedSampler itself.",
-                          "build the indices from torch.randperm with a seeded "
-                          "torch.Generator: that is the exercise")
-
-    for n, world_size, seed, epochs in _SAMPLER_CASES:
+    rng = random.Random(seed)
+    drawn = tuple((rng.randint(1, 40), rng.randint(1, 6), rng.randrange(1000),
+                   rng.randint(1, 3)) for _ in range(3))
+    cases = _SAMPLER_CASES + drawn
+    for n, world_size, sampler_seed, epochs in cases:
         per = -(-n // world_size)
         for epoch in range(epochs):
-            want = sampling.shards(n, world_size, epoch=epoch, seed=seed)
+            want = sampling.shards(n, world_size, epoch=epoch, seed=sampler_seed)
             for rank in range(world_size):
                 where = (f"dataset_len={n}, world_size={world_size}, rank={rank}, "
-                         f"epoch={epoch}, seed={seed}")
-                DistributedSampler.__iter__ = refuse
-                try:
-                    got = sampler_indices(n, world_size, rank, epoch, seed)
-                finally:
-                    DistributedSampler.__iter__ = real_iter
+                         f"epoch={epoch}, seed={sampler_seed}")
+                got = sampler_indices(n, world_size, rank, epoch, sampler_seed)
                 try:
                     got = [int(i) for i in got]
                 except TypeError:
@@ -407,15 +429,16 @@ def check_sampler_indices(sampler_indices: Callable[[int, int, int, int, int],
                 if got == want[rank]:
                     continue
                 order = torch.randperm(
-                    n, generator=torch.Generator().manual_seed(seed)).tolist()
+                    n, generator=torch.Generator().manual_seed(sampler_seed)).tolist()
                 full = torch.randperm(
-                    n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+                    n, generator=torch.Generator().manual_seed(sampler_seed + epoch)
+                ).tolist()
                 if len(got) != per:
                     hint = (f"every rank reads ceil({n} / {world_size}) = {per} "
                             "indices: the sampler pads by repeating the shuffled "
                             "order from its start, as many times as needed")
                 elif epoch and got == sampling.shards(n, world_size, epoch=0,
-                                                       seed=seed)[rank]:
+                                                       seed=sampler_seed)[rank]:
                     hint = ("the same order as epoch 0: the generator is seeded with "
                             "seed + epoch, which is what set_epoch changes")
                 elif got == _contiguous(full, world_size, rank):
@@ -429,5 +452,5 @@ def check_sampler_indices(sampler_indices: Callable[[int, int, int, int, int],
                             "g = torch.Generator().manual_seed(seed + epoch)")
                 raise WrongAnswer(f"{where}: got {got}, DistributedSampler gives "
                                   f"{want[rank]}.", hint)
-    passed(f"your indices equal DistributedSampler's on {len(_SAMPLER_CASES)} "
+    passed(f"your indices equal DistributedSampler's on {len(cases)} "
            "datasets, every rank and epoch, padding included")

@@ -153,7 +153,18 @@ def judge_dispatch(ranks: list[list[dict[str, Any]]]) -> None:
            "every rank got exactly its rows, counts first")
 
 
-@checker
+#: What ``check_dispatch`` switches off while the learner's function runs.
+_DISPATCH_FORBIDS = {
+    'dtlib.exercises.experts:_truth': "the checker's truth",
+    'dtlib.expert_parallel.all_to_all:all_to_all': "the book's own dispatch",
+    'dtlib.expert_parallel.all_to_all:exchange_counts': "the book's own dispatch",
+    'dtlib.expert_parallel.all_to_all:AllToAll.forward': "the book's own dispatch",
+    'dtlib.expert_parallel.layer:ExpertParallelMoE.forward':
+        "the book's own MoE layer",
+}
+
+
+@checker(forbids=_DISPATCH_FORBIDS)
 def check_dispatch(dispatch: Callable[..., torch.Tensor]) -> None:
     """Check ``dispatch(x, dest) -> received`` on 3 real ranks: ``x`` (rows, h) are
     this rank's tokens, ``dest`` (rows,) the rank each must go to; return the rows

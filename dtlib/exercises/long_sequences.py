@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -13,11 +14,17 @@ from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ra
 from dtlib.runtime.dist import world
 
 
-@checker
+#: What ``check_cp_volume`` switches off while the learner's function runs.
+_CP_VOLUME_FORBIDS = {
+    'dtlib.context_parallel.volume:cp_volume': "the checker's truth",
+}
+
+
+@checker(forbids=_CP_VOLUME_FORBIDS)
 def check_cp_volume(predict: Callable[[int, int, int, int], dict[str, Any]],
                     cases: tuple[tuple[int, int, int, int], ...] = (
-                        (1, 16, 32, 2), (2, 4096, 1024, 4), (1, 131072, 8192, 16))
-                    ) -> None:
+                        (1, 16, 32, 2), (2, 4096, 1024, 4), (1, 131072, 8192, 16)),
+                    seed: int | None = None) -> None:
     """Check ``predict(b, s, h, cp)`` -> ``{"ring", "ulysses"}``: bytes one rank sends
     in the *forward* pass of one attention layer (fp32, as many K/V heads as query
     heads), ring attention vs DeepSpeed-Ulysses. The truth is
@@ -26,12 +33,19 @@ def check_cp_volume(predict: Callable[[int, int, int, int], dict[str, Any]],
     Args:
         predict: the learner's function.
         cases: ``(b, s, h, cp)`` to try, the page's shapes and others.
+        seed: draws three more (1 to 8 ranks, odd ones included).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 12, "Ring or all-to-all?".
     """
-    for b, s, h, cp in cases:
+    rng = random.Random(seed)
+    drawn = []
+    for _ in range(3):
+        cp = rng.randint(1, 8)
+        drawn.append((rng.randint(1, 8), 2 * cp * rng.randint(1, 256),
+                      cp * rng.randint(1, 256), cp))
+    for b, s, h, cp in (*cases, *drawn):
         got = predict(b, s, h, cp)
         if not isinstance(got, Mapping):
             raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
@@ -146,7 +160,19 @@ def judge_ring_step(ranks: list[list[dict[str, Any]]]) -> None:
                 "results with their log-sum-exps, not by averaging")
 
 
-@checker
+#: What ``check_ring_step`` switches off while the learner's function runs.
+_RING_STEP_FORBIDS = {
+    'dtlib.exercises.long_sequences:_full_attention': "the checker's truth",
+    'dtlib.context_parallel.ring_attention:ring_attention':
+        "the book's own ring attention",
+    'dtlib.context_parallel.ring_attention:RingAttention.forward':
+        "the book's own ring attention",
+    'dtlib.context_parallel.ring_attention:ring_exchange': "the book's own ring step",
+    'dtlib.context_parallel.ulysses:ulysses_attention': "the book's own Ulysses",
+}
+
+
+@checker(forbids=_RING_STEP_FORBIDS)
 def check_ring_step(attend: Callable[..., torch.Tensor]) -> None:
     """Check ``attend(q, k, v) -> out`` on 3 real ranks: each rank holds a contiguous
     piece of the sequence, ``(b, a, s / cp, d)`` for each of q, k and v (float64), and

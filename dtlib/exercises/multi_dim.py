@@ -7,6 +7,7 @@ the dict the book's run prints, fails on the others.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -24,8 +25,8 @@ _FP32 = 4  # bytes per element: the chapter's runs are float32
 def check_predict_bytes(predict: Callable[..., dict[str, Any]],
                         cases: tuple[tuple[int, int, int, int, int, int], ...] = (
                             (2, 16, 32, 16, 2, 9248), (4, 128, 256, 32, 4, 123456),
-                            (1, 8, 16, 6, 3, 77), (12, 2048, 768, 64, 8, 10 ** 7))
-                        ) -> None:
+                            (1, 8, 16, 6, 3, 77), (12, 2048, 768, 64, 8, 10 ** 7)),
+                        seed: int | None = None) -> None:
     """Check ``predict(n_layers, seq_len, hidden, batch, dp, local_numel)`` ->
     ``{"tp": ..., "dp": ...}``: the bytes one rank of *our* tensor-inside-data
     parallel layout all-reduces in one training step on its tp line and on its dp
@@ -39,12 +40,19 @@ def check_predict_bytes(predict: Callable[..., dict[str, Any]],
     Args:
         predict: the learner's function.
         cases: ``(n_layers, seq_len, hidden, batch, dp, local_numel)`` to try.
+        seed: draws three more (1 to 8 replicas, odd ones included).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 11, "What crosses each dimension".
     """
-    for n_layers, s, h, batch, dp, numel in cases:
+    rng = random.Random(seed)
+    drawn = []
+    for _ in range(3):
+        dp = rng.randint(1, 8)
+        drawn.append((rng.randint(1, 48), rng.randint(1, 4096), rng.randint(1, 4096),
+                      dp * rng.randint(1, 16), dp, rng.randint(1, 10 ** 9)))
+    for n_layers, s, h, batch, dp, numel in (*cases, *drawn):
         got = predict(n_layers, s, h, batch, dp, numel)
         if not isinstance(got, Mapping):
             raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
@@ -86,9 +94,16 @@ def _smallest_v(row: Llama3Row) -> int | None:
                  if 5 * (row.pp - 1) <= v * row.batch_per_dp), None)
 
 
-@checker
+#: What ``check_smallest_v`` switches off while the learner's function runs.
+_SMALLEST_V_FORBIDS = {
+    'dtlib.exercises.multi_dim:_smallest_v': "the checker's truth",
+}
+
+
+@checker(forbids=_SMALLEST_V_FORBIDS)
 def check_smallest_v(smallest_v: Callable[[Sequence[Llama3Row]], dict[Any, Any]],
-                     rows: Sequence[Llama3Row] = TABLE4_LLAMA3 + _EXTRA_ROWS) -> None:
+                     rows: Sequence[Llama3Row] = TABLE4_LLAMA3 + _EXTRA_ROWS,
+                     seed: int | None = None) -> None:
     """Check ``smallest_v(rows)`` -> ``{(n_gpus, seq_len): v or None}``: per row, the
     smallest number of model chunks per GPU with an interleaved bubble
     ``(p - 1) / (v * m)`` of at most 20 %, where ``m`` is the row's sequences per
@@ -97,12 +112,18 @@ def check_smallest_v(smallest_v: Callable[[Sequence[Llama3Row]], dict[Any, Any]]
     Args:
         smallest_v: the learner's function.
         rows: the rows to try (Table 4's and others).
+        seed: draws four more rows (1 to 130 stages, 1 to 200 micro-batches).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 11, "The planner against Llama 3".
     """
-    for part in (tuple(TABLE4_LLAMA3), tuple(rows)):
+    rng = random.Random(seed)
+    drawn = []
+    for i in range(4):
+        pp, dp = rng.randint(1, 130), rng.randint(1, 32)
+        drawn.append(_synthetic(8 * pp * dp, pp, dp, 1000 + i, rng.randint(1, 200)))
+    for part in (tuple(TABLE4_LLAMA3), (*rows, *drawn)):
         got = smallest_v(part)
         if not isinstance(got, Mapping):
             raise WrongAnswer(f"smallest_v must return a dict, got "
@@ -212,7 +233,18 @@ def judge_grid_groups(ranks: list[list[dict[str, Any]]]) -> None:
                         "and keep the ones this rank belongs to")
 
 
-@checker
+#: What ``check_grid_groups`` switches off while the learner's function runs.
+_GRID_GROUPS_FORBIDS = {
+    'torch.distributed.device_mesh:init_device_mesh': 'torch builds the grid for you',
+    'torch.distributed.device_mesh:DeviceMesh.__init__':
+        'torch builds the grid for you',
+    'dtlib.parallel_nd.grid:build_grid_groups': "the book's own grid",
+    'dtlib.parallel_nd.dims:ParallelDims.grid': "the book's own grid",
+    'dtlib.parallel_nd.dims:ParallelDims.mesh': "the book's own mesh",
+}
+
+
+@checker(forbids=_GRID_GROUPS_FORBIDS)
 def check_grid_groups(build: Callable[[int, int], Any]) -> None:
     """Check ``build(dp, tp) -> (tp_group, dp_group)`` on 4 real ranks: the process
     groups of this rank's row and column of the ``(dp, tp)`` rank grid, for the grids

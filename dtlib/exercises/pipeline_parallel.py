@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,15 +21,32 @@ _FB_GRID = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (1, 2, 3, 5, 8, 16)]
 _FB_COSTS = ((1.0, 2.0), (1.0, 1.0), (2.0, 3.0), (0.5, 1.5), (3.0, 1.0))
 
 
-@checker
-def check_first_backward(predict: Callable[..., float]) -> None:
+#: What ``check_first_backward`` switches off while the learner's function runs.
+_FIRST_BACKWARD_FORBIDS = {
+    'dtlib.pipeline_parallel.schedules:simulate': "the checker's truth",
+    'dtlib.pipeline_parallel.schedules:schedule_order': "the book's simulator",
+    'dtlib.pipeline_parallel.interleaved:simulate_interleaved': "the book's simulator",
+}
+
+
+@checker(forbids=_FIRST_BACKWARD_FORBIDS)
+def check_first_backward(predict: Callable[..., float],
+                         seed: int | None = None) -> None:
     """Check ``predict(schedule, stage, n_stages, n_microbatches, t_f, t_b)``: the time
     at which stage ``stage`` starts its first backward on the ideal clock of
     :func:`dtlib.pipeline_parallel.schedules.simulate` (messages free, a forward takes
-    ``t_f``, a backward ``t_b``, the step starts at 0)."""
+    ``t_f``, a backward ``t_b``, the step starts at 0).
+
+    The grid of depths, micro-batch counts and costs, and drawn from ``seed``: one more
+    depth and count (up to 12 stages, 24 micro-batches) and two more cost pairs (in
+    eighths, exact binary fractions like the grid's)."""
+    rng = random.Random(seed)
+    grid = [*_FB_GRID, (rng.randint(1, 12), rng.randint(1, 24))]
+    costs = [*_FB_COSTS, *((rng.randint(1, 32) / 8, rng.randint(1, 32) / 8)
+                           for _ in range(2))]
     for schedule in ("gpipe", "1f1b"):
-        for p, m in _FB_GRID:
-            for t_f, t_b in _FB_COSTS:
+        for p, m in grid:
+            for t_f, t_b in costs:
                 events = simulate(schedule, p, m, t_f, t_b)
                 for s in range(p):
                     want = min(e.start for e in events
@@ -319,7 +337,18 @@ def pipeline_step_verdicts(steps: Sequence[Callable[..., Any]]
     return verdicts
 
 
-@checker
+#: What ``check_pipeline_step`` switches off while the learner's function runs.
+_PIPELINE_STEP_FORBIDS = {
+    'dtlib.pipeline_parallel.schedules:pipeline_step': "the book's own pipeline step",
+    'dtlib.exercises.pipeline_parallel:_pp_truth': "the checker's truth",
+    'torch.distributed.pipelining.schedules:PipelineScheduleSingle.step':
+        "torch's pipeline schedules",
+    'torch.distributed.pipelining.schedules:PipelineScheduleMulti.step':
+        "torch's pipeline schedules",
+}
+
+
+@checker(forbids=_PIPELINE_STEP_FORBIDS)
 def check_pipeline_step(step: Callable[..., Any]) -> None:
     """Check ``step(stage, micro_batches, targets, act_shape)`` on two real ranks.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
 import torch
@@ -36,10 +37,22 @@ def ieee_constants(e_bits: int, m_bits: int) -> tuple[float, float, float]:
             (2.0 - 2.0 ** -m_bits) * 2.0 ** bias)
 
 
-@checker
-def check_format_constants(constants: Callable[[int, int], tuple]) -> None:
+#: What ``check_format_constants`` switches off while the learner's function runs.
+_FORMAT_CONSTANTS_FORBIDS = {
+    'dtlib.exercises.precision:ieee_constants': "the checker's truth",
+    'dtlib.precision.formats:format_info': "the book's own table",
+    'dtlib.precision.formats:format_table': "the book's own table",
+    'dtlib.precision.formats:subnormal_from_bits': "the book's own table",
+}
+
+
+@checker(forbids=_FORMAT_CONSTANTS_FORBIDS)
+def check_format_constants(constants: Callable[[int, int], tuple],
+                           seed: int | None = None) -> None:
     """Check ``constants(e_bits, m_bits) -> (eps, smallest_subnormal, largest)`` on
-    IEEE-style formats the chapter does not show (:data:`FORMATS_TRIED`).
+    IEEE-style formats the chapter does not show (:data:`FORMATS_TRIED`) and three
+    drawn from ``seed`` (2 to 11 exponent bits, 1 to 52 mantissa bits: every one
+    whose constants float64 holds exactly).
 
     The truth is :func:`ieee_constants`, itself checked against ``torch.finfo`` and
     the bit patterns by the tests.
@@ -51,7 +64,10 @@ def check_format_constants(constants: Callable[[int, int], tuple]) -> None:
              "only its last mantissa bit set",
              "the largest exponent field (all ones) is kept for inf and NaN; the "
              "largest finite value has the next exponent and every mantissa bit set")
-    for e_bits, m_bits in FORMATS_TRIED:
+    rng = random.Random(seed)
+    tried = (*FORMATS_TRIED, *((rng.randint(2, 11), rng.randint(1, 52))
+                               for _ in range(3)))
+    for e_bits, m_bits in tried:
         try:
             got = tuple(constants(e_bits, m_bits))
         except NotImplementedError:
@@ -68,7 +84,7 @@ def check_format_constants(constants: Callable[[int, int], tuple]) -> None:
             # exact answer is expected, up to one rounding of the product.
             check_close(f"{name} of {e_bits} exponent and {m_bits} mantissa bits",
                         g, t, rel=2.0 ** -52, hint=hint)
-    passed(f"eps, smallest subnormal and largest value right for {len(FORMATS_TRIED)} "
+    passed(f"eps, smallest subnormal and largest value right for {len(tried)} "
            "formats, fp16 and fp64 among them")
 
 
@@ -152,10 +168,14 @@ def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
         scale, tracker, steps = _INIT_SCALE, 0, []
         for i, per_rank in enumerate(flags):
             gen = torch.Generator().manual_seed(100 * case + 10 * i + rank)
-            grads = [(torch.randn(4, generator=gen) * scale).to(device),
-                     (torch.randn(3, generator=gen) * scale).to(device)]
+            grads = [(torch.randn(n, generator=gen) * scale).to(device)
+                     for n in (4, 3, 5)]
             if per_rank[rank]:
-                grads[1][0] = float(per_rank[rank])
+                # the bad value goes to each tensor in turn, at a drawn element: a
+                # scaler that looks at one tensor, or one element, misses some
+                poisoned = grads[(i + case + rank) % len(grads)]
+                where = int(torch.randint(poisoned.numel(), (1,), generator=gen))
+                poisoned[where] = float(per_rank[rank])
             want = [g / scale for g in grads]
             try:
                 skip, scale, tracker = step(grads, scale, tracker, interval)
@@ -170,7 +190,18 @@ def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
     return out
 
 
-@checker
+#: What ``check_scaler_step`` switches off while the learner's function runs.
+_SCALER_STEP_FORBIDS = {
+    'dtlib.exercises.precision:scaler_truth': "the checker's truth",
+    'dtlib.precision.loss_scaling:DynamicLossScaler.update': "the book's own scaler",
+    'dtlib.precision.loss_scaling:DynamicLossScaler.unscale_': "the book's own scaler",
+    'dtlib.precision.loss_scaling:simulate_scale': "the book's own scaler",
+    'torch.amp.grad_scaler:GradScaler.update': "torch's scaler",
+    'torch.amp.grad_scaler:GradScaler.unscale_': "torch's scaler",
+}
+
+
+@checker(forbids=_SCALER_STEP_FORBIDS)
 def check_scaler_step(step: Callable[..., tuple]) -> None:
     """Check ``step(grads, scale, growth_tracker, growth_interval)`` -> ``(skip,
     new_scale, new_growth_tracker)`` on two real ranks.
@@ -357,7 +388,13 @@ def judge_grad_shards(ranks: list[list[Any]]) -> None:
            "as asked")
 
 
-@checker
+#: What ``check_grad_shard_reduce`` switches off while the learner's function runs.
+_GRAD_SHARD_REDUCE_FORBIDS = {
+    'dtlib.exercises.precision:grad_shard_truth': "the checker's truth",
+}
+
+
+@checker(forbids=_GRAD_SHARD_REDUCE_FORBIDS)
 def check_grad_shard_reduce(reduce: Callable[..., torch.Tensor]) -> None:
     """Check ``reduce(grad, reduce_dtype)`` -> this rank's averaged gradient shard in
     fp32, on two real ranks: ``grad`` is the rank's full flat bf16 gradient, the

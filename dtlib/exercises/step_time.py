@@ -9,9 +9,10 @@ that adds every bucket (no overlap) or takes the larger of compute and communica
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any, Callable, Sequence
 
-from dtlib.exercises import (WrongAnswer, as_number, check_close, checker, drawn_cases,
+from dtlib.exercises import (WrongAnswer, as_number, check_close, checker,
                              passed)
 from dtlib.planner.overlap import Comm, two_streams
 from dtlib.planner.step_time import Machine, bucket_bytes, predict
@@ -24,7 +25,15 @@ def _truth(forward_s: float, backward_s: float, buckets_s: Sequence[float]) -> f
                                 for i, c in enumerate(buckets_s)]).end_s
 
 
-@checker
+#: What ``check_overlapped_ddp`` switches off while the learner's function runs.
+_OVERLAPPED_DDP_FORBIDS = {
+    'dtlib.exercises.step_time:_truth': "the checker's truth",
+    'dtlib.planner.overlap:two_streams': "the book's own timeline",
+    'dtlib.planner.overlap:serial': "the book's own timeline",
+}
+
+
+@checker(forbids=_OVERLAPPED_DDP_FORBIDS)
 def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], float],
                          cases: tuple[tuple[float, float, tuple[float, ...]], ...] = (
                              (1.0, 2.0, (0.5, 0.5)), (1.0, 3.0, (2.0, 0.1, 0.1)),
@@ -42,19 +51,19 @@ def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], fl
         cases: ``(forward_s, backward_s, buckets_s)`` to try; three more are drawn
             (in milliseconds, one to five buckets).
         seed: seeds the drawn cases (default: a fresh draw each call, see
-            :func:`~dtlib.exercises.drawn_cases`).
+            :func:`~dtlib.exercises.checker`).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 13, "An overlap rule per strategy".
     """
-    with drawn_cases("check_overlapped_ddp", seed) as rng:
-        # milliseconds, as steps of small models take
-        drawn = tuple((round(rng.uniform(1e-3, 0.05), 6),
-                       round(rng.uniform(0.01, 0.1), 6),
-                       tuple(round(rng.uniform(1e-3, 0.05), 6)
-                             for _ in range(rng.randint(1, 5)))) for _ in range(3))
-        _check_overlap_cases(step_time, tuple(cases) + drawn)
+    rng = random.Random(seed)
+    # milliseconds, as steps of small models take
+    drawn = tuple((round(rng.uniform(1e-3, 0.05), 6),
+                   round(rng.uniform(0.01, 0.1), 6),
+                   tuple(round(rng.uniform(1e-3, 0.05), 6)
+                         for _ in range(rng.randint(1, 5)))) for _ in range(3))
+    _check_overlap_cases(step_time, tuple(cases) + drawn)
     passed(f"your timeline matches the overlap rule on {len(cases) + 3} steps: only "
            "what the last buckets cannot hide is exposed")
 
@@ -170,7 +179,15 @@ def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
     return measured["step"]["step_time_s"] / first
 
 
-@checker
+#: What ``check_predict_step`` switches off while the learner's function runs.
+_PREDICT_STEP_FORBIDS = {
+    'dtlib.planner.step_time:predict': "the book's own model",
+    'dtlib.planner.overlap:two_streams': "the book's own timeline",
+    'dtlib.planner.estimate:estimate': "the book's own model",
+}
+
+
+@checker(forbids=_PREDICT_STEP_FORBIDS)
 def check_predict_step(predict_step: Callable[[dict], float]) -> None:
     """Check ``predict_step(inputs) -> seconds``: the overlapped DDP's step of
     Chapter 13's GPT from the machine's measured inputs (``world_size``, ``cores``

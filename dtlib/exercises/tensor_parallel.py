@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -14,12 +15,21 @@ from dtlib.tensor_parallel.gpt import block_tp_numbers
 from dtlib.tensor_parallel.layers import full_linear, tp_rank, tp_size
 
 
-@checker
+#: What ``check_tp_numbers`` switches off while the learner's function runs.
+_TP_NUMBERS_FORBIDS = {
+    'dtlib.tensor_parallel.gpt:block_tp_numbers': "the checker's truth",
+    'dtlib.tensor_parallel.gpt:parallel_param_count': "the book's own count",
+    'dtlib.collectives.cost_model:cost_terms': "the book's formula",
+    'dtlib.collectives.cost_model:bytes_sent_per_rank': "the book's formula",
+}
+
+
+@checker(forbids=_TP_NUMBERS_FORBIDS)
 def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
                      cases: tuple[tuple[int, int, int, int], ...] = (
                          (64, 4, 16, 2), (96, 3, 7, 3), (1024, 8, 512, 4),
-                         (12288, 1, 2048, 8))
-                     ) -> None:
+                         (12288, 1, 2048, 8)),
+                     seed: int | None = None) -> None:
     """Check ``predict(h, b, s, tp)`` -> ``{"params_per_rank", "allreduce_bytes",
     "ring_send_bytes"}``.
 
@@ -28,9 +38,16 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
     all-reduces in one training step (forward + backward), and the bytes it sends when
     those all-reduces run as rings (``2 (tp - 1) / tp`` of each message). The truth is
     :func:`dtlib.tensor_parallel.gpt.block_tp_numbers`, which the tests check against
-    real ranks, and :func:`dtlib.collectives.cost_model.cost_terms`.
+    real ranks, and :func:`dtlib.collectives.cost_model.cost_terms`. Beyond
+    ``cases``, three are drawn from ``seed`` (tp from 1 to 8, odd ones included).
     """
-    for h, b, s, tp in cases:
+    rng = random.Random(seed)
+    drawn = []
+    for _ in range(3):
+        tp = rng.randint(1, 8)
+        drawn.append((tp * 8 * rng.randint(1, 64), rng.randint(1, 16),
+                      rng.randint(1, 4096), tp))
+    for h, b, s, tp in (*cases, *drawn):
         got = predict(h, b, s, tp)
         truth = block_tp_numbers(h, b, s, tp)
         if not isinstance(got, Mapping):
@@ -110,7 +127,17 @@ def _close(a: Any, b: torch.Tensor) -> bool:
     return (a - b).abs().max().item() <= _REL * b.abs().max().item()
 
 
-@checker
+#: What ``check_column_parallel`` switches off while the learner's function runs.
+_COLUMN_PARALLEL_FORBIDS = {
+    'dtlib.tensor_parallel.mappings:copy_to_tp': "the book's own f",
+    'dtlib.tensor_parallel.mappings:CopyToParallelRegion.forward': "the book's own f",
+    'dtlib.tensor_parallel.mappings:reduce_from_tp': "the book's g",
+    'dtlib.tensor_parallel.layers:ColumnParallelLinear.forward':
+        "the book's own column-parallel layer",
+}
+
+
+@checker(forbids=_COLUMN_PARALLEL_FORBIDS)
 def check_column_parallel(fn: Callable[..., torch.Tensor],
                           world_sizes: tuple[int, ...] = (2, 4)) -> None:
     """Check ``fn(x, weight_shard, bias_shard) -> out_shard``: a column-parallel linear.

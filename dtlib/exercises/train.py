@@ -16,7 +16,13 @@ def _truth(world_size: int, micro_batch: int, seq_len: int, accum_steps: int) ->
     return world_size / (world_size * micro_batch * seq_len * accum_steps)
 
 
-@checker
+#: What ``check_loss_multiplier`` switches off while the learner's function runs.
+_LOSS_MULTIPLIER_FORBIDS = {
+    'dtlib.exercises.train:_truth': "the checker's truth",
+}
+
+
+@checker(forbids=_LOSS_MULTIPLIER_FORBIDS)
 def check_loss_multiplier(multiplier: Callable[[int, int, int, int], float]) -> None:
     """Check ``multiplier(world_size, micro_batch, seq_len, accum_steps)``: the factor
     that turns a micro-batch's *summed* token loss into its share of the global mean
@@ -90,7 +96,13 @@ def _grad_tol(want: Any) -> float:
     return 128 * 2.0 ** -24 * float(want.abs().max())
 
 
-@checker
+#: What ``check_fsdp2_wrapping`` switches off while the learner's function runs.
+_FSDP2_WRAPPING_FORBIDS = {
+    'dtlib.zero.fsdp:shard_fsdp2': "the book's own FSDP2 wrapping",
+}
+
+
+@checker(forbids=_FSDP2_WRAPPING_FORBIDS)
 def check_fsdp2_wrapping(wrap: Callable[[Any], Any], world_size: int = 2) -> None:
     """Check ``wrap(model)``: shard the book's GPT with FSDP2 (``fully_shard``), one
     unit per transformer block and the root last, so that one block's parameters are

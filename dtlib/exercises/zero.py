@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
 import torch
@@ -51,8 +52,16 @@ def _case(world_size: int, numel: int, seed: int, tiny: bool = False):
     return params, grads, m, v
 
 
-@checker
-def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
+#: What ``check_zero1_shard_step`` switches off while the learner's function runs.
+_ZERO1_SHARD_STEP_FORBIDS = {
+    'dtlib.exercises.zero:_adamw': "the checker's truth",
+    'dtlib.zero.optimizer:ShardedOptimizer.step': "the book's own ZeRO-1 step",
+}
+
+
+@checker(forbids=_ZERO1_SHARD_STEP_FORBIDS)
+def check_zero1_shard_step(fn: Callable[..., torch.Tensor],
+                           seed: int | None = None) -> None:
     """Check ``fn(params, grads, rank, exp_avg, exp_avg_sq, step, lr)``.
 
     ``params``: the padded flat parameters (every rank holds them all in ZeRO-1);
@@ -61,13 +70,21 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor]) -> None:
     ``step``: steps taken so far. ``fn`` returns this rank's updated shard after one
     AdamW step (betas (0.9, 0.999), eps 1e-8, weight_decay 0.01) on the averaged
     gradient, which is what the reduce-scatter delivers.
+
+    The page's four cases and three drawn from ``seed``: worlds of 1 to 6 ranks,
+    sizes that do not divide them, any step, one with fresh moments and gradients
+    near eps.
     """
-    for world_size, numel, step, tiny in ((4, 37, 3, False), (2, 10, 0, False),
-                                          (3, 30, 7, False), (2, 12, 0, True)):
+    rng = random.Random(seed)
+    drawn = tuple((rng.randint(1, 6), rng.randint(1, 50), rng.randint(0, 20), tiny,
+                   rng.randrange(2 ** 31)) for tiny in (False, False, True))
+    for world_size, numel, step, tiny, base in ((4, 37, 3, False, 40),
+                                                (2, 10, 0, False, 20),
+                                                (3, 30, 7, False, 30),
+                                                (2, 12, 0, True, 20), *drawn):
         lr = 1e-2
         for rank in range(world_size):
-            params, grads, m, v = _case(world_size, numel, 10 * world_size + rank,
-                                        tiny)
+            params, grads, m, v = _case(world_size, numel, base + rank, tiny)
             shard = params.numel() // world_size
             lo, hi = rank * shard, (rank + 1) * shard
             mean = torch.stack(grads).mean(0)
@@ -131,8 +148,19 @@ _TERMS = {"params": "parameters (2 bytes each)", "grads": "gradients (2 bytes ea
           "optimizer": "optimizer state (12 bytes each)"}
 
 
-@checker
-def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]]) -> None:
+#: What ``check_stage_memory`` switches off while the learner's function runs.
+_STAGE_MEMORY_FORBIDS = {
+    'dtlib.memory.formulas:model_state_bytes': "the checker's truth",
+    'dtlib.memory.formulas:bytes_per_param': "the book's formula",
+    'dtlib.memory.formulas:estimate': "the book's planner",
+    'dtlib.zero.fsdp:fsdp_state_bytes': "the book's own count",
+    'dtlib.zero.deepspeed_engine:deepspeed_state_bytes': "the book's own count",
+}
+
+
+@checker(forbids=_STAGE_MEMORY_FORBIDS)
+def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]],
+                       seed: int | None = None) -> None:
     """Check ``fn(n_params, zero_stage, world_size)`` -> ``{"params": bytes,
     "grads": bytes, "optimizer": bytes}``: each model state's bytes per device for
     mixed-precision Adam (2 + 2 + 12 bytes per parameter, ZeRO paper K = 12), sharded
@@ -140,10 +168,16 @@ def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]]) -> None:
 
     Each term is checked on its own: a total cannot tell "stage 2 shards the
     gradients" from "stage 2 shards the parameters" (both save 2 bytes a parameter).
+    Beyond the page's cases, four are drawn from ``seed`` (any stage, 1 to 1024
+    ranks, sizes that do not divide them).
     """
+    rng = random.Random(seed)
+    drawn = tuple((rng.randint(1, 10 ** 11), stage, rng.randint(1, 1024))
+                  for stage in rng.sample(range(4), 4))
     for n, stage, world_size in ((7_500_000_000, 0, 64), (7_500_000_000, 1, 64),
                                  (7_500_000_000, 2, 64), (7_500_000_000, 3, 64),
-                                 (1001, 3, 4), (1001, 2, 4), (7_000_000_000, 3, 8)):
+                                 (1001, 3, 4), (1001, 2, 4), (7_000_000_000, 3, 8),
+                                 *drawn):
         truth = model_state_bytes(n, zero_stage=stage, dp=world_size)
         got = fn(n, stage, world_size)
         where = f"n_params={n}, zero_stage={stage}, world_size={world_size}"
@@ -226,7 +260,13 @@ def _zero2_truth(world_size: int) -> list[torch.Tensor]:
     return [torch.stack(per).mean(0) for per in zip(*grads)]
 
 
-@checker
+#: What ``check_zero2_hook`` switches off while the learner's function runs.
+_ZERO2_HOOK_FORBIDS = {
+    'dtlib.exercises.zero:_zero2_truth': "the checker's truth",
+}
+
+
+@checker(forbids=_ZERO2_HOOK_FORBIDS)
 def check_zero2_hook(hook: Callable[[torch.nn.Parameter], None],
                      world_sizes: tuple[int, ...] = (2, 4)) -> None:
     """Check ``hook(param)``, registered with ``register_post_accumulate_grad_hook``.

@@ -1,0 +1,39 @@
+"""The feedback a checker gives: :class:`WrongAnswer`, shown as a short message.
+
+Its own module so that :mod:`dtlib.exercises.tripwires` can raise one without
+importing the checkers' package.
+"""
+
+from __future__ import annotations
+
+
+class WrongAnswer(AssertionError):
+    """The learner's answer is wrong.
+
+    ``what`` says what is wrong; ``hint`` where to look (a message ``"... Hint: ..."``
+    is split at the hint). ``str()`` holds both; a notebook shows the hint from the
+    second wrong try on (``attempt``, set by :func:`checker`).
+    """
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        what, sep, embedded = message.partition(" Hint: ")
+        if not sep:
+            what, sep, embedded = message.partition("\nHint: ")
+        self.what = what.rstrip()
+        self.hint = (hint or embedded).strip()
+        self.attempt = 1
+        self.exercise = ""
+        super().__init__(self.what + (f" Hint: {self.hint}" if self.hint else ""))
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing a traceback: the learner sees the
+        # feedback, not the checker's source.
+        head = "\x1b[1;31mNot yet\x1b[0m" + (f" ({self.exercise})"
+                                             if self.exercise else "")
+        lines = [f"{head}: {self.what}"]
+        if self.hint and self.attempt >= 2:
+            lines.append(f"\x1b[1mHint\x1b[0m: {self.hint}")
+        elif self.hint:
+            lines.append("(Change your answer and run the cell again; a hint comes "
+                         "from the second try on.)")
+        return lines
