@@ -221,7 +221,13 @@ def test_check_resume_keys_accepts_all_rejects_partial():
 
 
 def test_check_atomic_save():
-    ex.check_atomic_save(atomic_save)
+    from dtlib.exercises.tripwires import ShortcutTaken
+
+    # the book's own save meets every rule of the checker (judged with its tripwires
+    # off); as a learner's answer it is the exercise itself, refused
+    ex.check_atomic_save.__wrapped__(atomic_save)
+    with pytest.raises(ShortcutTaken, match="atomic_save"):
+        ex.check_atomic_save(atomic_save)
     with pytest.raises(WrongAnswer, match="not put in place by a rename"):
         ex.check_atomic_save(lambda obj, path: torch.save(obj, path))
 

@@ -9,6 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from dtlib.exercises import WrongAnswer, as_integer, as_number
 
@@ -70,3 +72,55 @@ def test_a_bool_is_still_a_wrong_answer() -> None:
 
     with pytest.raises(WrongAnswer, match="expected a number"):
         check_bytes_per_param(True)
+
+
+# ---- valid methods the checkers once refused -------------------------------------
+
+def gpipe_with_recomputation(stage, micro_batches, targets, act_shape):
+    from torch.utils.checkpoint import checkpoint
+    if dist.get_rank() == 0:
+        outputs = []
+        for x in micro_batches:
+            y = checkpoint(stage, x, use_reentrant=False)  # recomputed in backward
+            dist.send(y.detach(), dst=1)
+            outputs.append(y)
+        for y in outputs:
+            grad = torch.empty_like(y)
+            dist.recv(grad, src=1)
+            y.backward(grad)
+        return None
+    inputs, losses = [], []
+    for target in targets:
+        a = torch.empty(act_shape)
+        dist.recv(a, src=0)
+        a.requires_grad_()
+        inputs.append(a)
+        losses.append(F.mse_loss(stage(a), target) / len(targets))
+    for a, loss in zip(inputs, losses):
+        loss.backward()
+        dist.send(a.grad, dst=0)
+    return sum(loss.detach() for loss in losses).item()
+
+def functional_reduce_scatter_hook(param):
+    import torch.distributed._functional_collectives as fc
+    n = dist.get_world_size()
+    flat = param.grad.reshape(-1)
+    shard = fc.reduce_scatter_tensor(flat, "sum", 0, dist.group.WORLD)
+    param.grad_shard = fc.wait_tensor(shard) / n
+    param.grad = None
+
+
+def test_gpipe_with_recomputation_is_gpipe(capsys) -> None:
+    """torch.utils.checkpoint runs a stage's forward again inside its backward: a
+    recomputation, not a second micro-batch (once refused as "6 forwards for 3")."""
+    from dtlib.exercises.pipeline_parallel import check_pipeline_step
+
+    check_pipeline_step(gpipe_with_recomputation)
+    assert "Correct" in capsys.readouterr().out
+
+
+def test_a_functional_reduce_scatter_per_parameter_is_zero2(capsys) -> None:
+    from dtlib.exercises.zero import check_zero2_hook
+
+    check_zero2_hook(functional_reduce_scatter_hook)
+    assert "Correct" in capsys.readouterr().out

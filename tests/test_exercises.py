@@ -180,17 +180,55 @@ N_STEPS = RING_BATCHED.replace("range(n - 1)", "range(n)").replace(
     "chunks[recv]", "chunks[recv] if step < n - 1 else torch.empty_like(tensor)")
 
 
-def test_ring_checker_accepts_batch_isend_irecv(capsys) -> None:
+# The exercise fixes no direction: a ring turning left is a ring.
+RING_LEFT = RING_BATCHED.replace(
+    "send, recv = (rank - step) % n, (rank - step - 1) % n",
+    "send, recv = (rank + step) % n, (rank + step + 1) % n").replace(
+    "chunks[send], (rank + 1) % n", "chunks[send], (rank - 1) % n").replace(
+    "chunks[recv], (rank - 1) % n", "chunks[recv], (rank + 1) % n")
+
+# Each step's shard as two messages (one when the shard has one element).
+RING_SPLIT = RING_BATCHED.replace(
+    "        ops = [dist.P2POp(dist.isend, chunks[send], (rank + 1) % n),\n"
+    "               dist.P2POp(dist.irecv, chunks[recv], (rank - 1) % n)]\n",
+    "        half = max(1, (tensor.numel() + 1) // 2)\n"
+    "        ops = [op for a, b in zip(chunks[send].view(-1).split(half),\n"
+    "                                  chunks[recv].view(-1).split(half))\n"
+    "               for op in (dist.P2POp(dist.isend, a, (rank + 1) % n),\n"
+    "                          dist.P2POp(dist.irecv, b, (rank - 1) % n))]\n")
+
+# Ring-shaped traffic of the right size as a decoy; the result rebuilt from what the
+# inputs used to be (arange + 100 * rank) without the messages' contents.
+REBUILT = '''
+def my_all_gather(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(tensor)
+    for _ in range(n - 1):
+        for w in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, tensor, (rank + 1) % n),
+                dist.P2POp(dist.irecv, buf, (rank - 1) % n)]):
+            w.wait()
+    k = tensor.numel()
+    return torch.cat([torch.arange(k, dtype=tensor.dtype).reshape(tensor.shape)
+                      + 100 * r for r in range(n)])
+'''
+
+
+@pytest.mark.parametrize("source", [RING_BATCHED, RING_LEFT, RING_SPLIT],
+                         ids=["right", "left", "split"])
+def test_ring_checker_accepts_any_ring(source, capsys) -> None:
     from dtlib.exercises.collectives import check_ring_all_gather
 
-    check_ring_all_gather(RING_BATCHED, world_sizes=(2, 3))
+    assert source is RING_BATCHED or source != RING_BATCHED  # the variant was made
+    check_ring_all_gather(source, world_sizes=(2, 3))
     assert "Correct" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("source, message", [
-    (DIRECT_EXCHANGE, "sends to ranks \\[1, 2\\]: in a ring, a rank sends only to its "
-                      "right neighbour"),
-    (N_STEPS, "takes exactly n - 1 = 2 steps"),
+    (DIRECT_EXCHANGE, "sends to ranks \\[1, 2\\]: in a ring, a rank sends only to one "
+                      "neighbour"),
+    (N_STEPS, "takes n - 1 = 2 steps"),
+    (REBUILT, "expected"),
 ])
 def test_ring_checker_rejects_what_is_not_a_ring(source: str, message: str) -> None:
     from dtlib.exercises.collectives import check_ring_all_gather

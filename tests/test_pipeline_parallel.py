@@ -421,12 +421,20 @@ def test_causal_mask_blocks_the_future():
 
 
 def test_first_backward_checker_matches_the_simulation(capsys):
-    # the checker's truth is simulate(); a walk over the simulated events agrees
+    from dtlib.exercises.tripwires import ShortcutTaken
+
+    # the checker's truth is simulate(); the closed form agrees with it, and a walk
+    # over the simulated events is the truth itself, switched off while it runs
+    def closed_form(sch, s, p, m, tf, tb):
+        return (p - 1 + (m if sch == "gpipe" else 1)) * tf + (p - 1 - s) * tb
+
     def from_events(sch, s, p, m, tf, tb):
         return min(e.start for e in simulate(sch, p, m, tf, tb)
                    if e.stage == s and e.kind == "B")
 
-    ex.check_first_backward(from_events)
+    ex.check_first_backward(closed_form)
+    with pytest.raises(ShortcutTaken, match="simulate"):
+        ex.check_first_backward(from_events)
     with pytest.raises(WrongAnswer):  # GPipe's first backward is not micro-batch 0's
         ex.check_first_backward(lambda sch, s, p, m, tf, tb: p * tf + (p - 1 - s) * tb)
     assert capsys.readouterr().out.count("Correct") == 1

@@ -206,19 +206,31 @@ def test_state_bytes_per_param_is_16():
         ManualMixedPrecision(model, opt, torch.float32)
 
 
+def _constants(e, m):
+    bias = 2 ** (e - 1) - 1
+    return 2.0 ** -m, 2.0 ** (1 - bias - m), (2 - 2.0 ** -m) * 2.0 ** bias
+
+
 def test_checkers_accept_right_and_reject_wrong(capsys):
-    ex.check_format_constants(ex.ieee_constants)
+    from dtlib.exercises.tripwires import ShortcutTaken
+
+    ex.check_format_constants(_constants)
+    # the checker's truth agrees (judged with its tripwires off), and as an answer
+    # it is refused
+    ex.check_format_constants.__wrapped__(ex.ieee_constants)
+    with pytest.raises(ShortcutTaken, match="ieee_constants"):
+        ex.check_format_constants(ex.ieee_constants)
     with pytest.raises(WrongAnswer, match="eps"):  # p - 1 taken for p
         ex.check_format_constants(lambda e, m: (2.0 ** -(m + 1),
-                                                *ex.ieee_constants(e, m)[1:]))
+                                                *_constants(e, m)[1:]))
     with pytest.raises(WrongAnswer, match="subnormal"):  # the smallest normal instead
         ex.check_format_constants(lambda e, m: (2.0 ** -m, 2.0 ** (2 - 2 ** (e - 1)),
-                                                ex.ieee_constants(e, m)[2]))
+                                                _constants(e, m)[2]))
     vals = [1e-3, 1e-8, 1e-30]
     ex.check_underflow_prediction(vals, [False, True, True], [False, False, False])
     with pytest.raises(WrongAnswer, match="1e-08"):
         ex.check_underflow_prediction(vals, [False, False, True], [False, False, False])
-    assert capsys.readouterr().out.count("Correct") == 2
+    assert capsys.readouterr().out.count("Correct") == 3
 
 
 def test_matmul_bench_records():

@@ -70,39 +70,54 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
     sends = [(peer, k) for kind, peer, k in log if kind == "send"]
     recvs = [(peer, k) for kind, peer, k in log if kind == "recv"]
     right, left = (rank + 1) % n, (rank - 1) % n
-    if any(peer != right for peer, _ in sends):
+    # The ring may turn either way: every send to one neighbour, every receive from
+    # the other (or from any source, src=None: the only rank that sends to this one
+    # is then that neighbour, since every rank's sends are checked the same way).
+    to = sends[0][0] if sends else right
+    frm = left if to == right else right
+    if to not in (right, left) or any(peer != to for peer, _ in sends):
         peers = sorted({p for p, _ in sends if p is not None})
         return [f"rank {rank} of {n} sends to ranks {peers}: in a ring, a rank sends "
-                f"only to its right neighbour, rank {right}"]
-    # A receive from any source (src=None) is a ring's too: every rank's sends are
-    # checked above to go to its right neighbour only, so the one rank that ever
-    # sends to this one is its left neighbour.
-    if any(peer not in (left, None) for peer, _ in recvs):
+                f"only to one neighbour (rank {right}, or rank {left} for a ring "
+                "turning the other way)"]
+    if any(peer not in (frm, None) for peer, _ in recvs):
         return [f"rank {rank} of {n} receives from ranks "
                 f"{sorted({str(p) for p, _ in recvs})}: in a ring, a rank receives "
-                f"only from its left neighbour, rank {left} (name it: src={left})"]
-    if len(sends) != n - 1 or len(recvs) != n - 1:
-        return [f"rank {rank} of {n} sends {len(sends)} and receives {len(recvs)} "
-                f"message(s): a ring all-gather takes exactly n - 1 = {n - 1} steps"]
-    if any(k != chunk for _, k in sends + recvs):
+                f"only from the neighbour on the other side, rank {frm} (name it: "
+                f"src={frm})"]
+    # Each step passes one shard; it may go as several messages, never more than a
+    # shard at once, and n - 1 shards in all.
+    sent, got = sum(k for _, k in sends), sum(k for _, k in recvs)
+    if len(sends) < n - 1 or sent != (n - 1) * chunk or got != (n - 1) * chunk:
+        return [f"rank {rank} of {n} sends {len(sends)} message(s) of {sent} element(s) "
+                f"and receives {got}: a ring all-gather takes n - 1 = {n - 1} steps, "
+                f"each passing one shard ({chunk} elements)"]
+    if any(k > chunk for _, k in sends + recvs):
         return [f"rank {rank} of {n} sends messages of {sorted({k for _, k in sends})} "
                 f"element(s): each step passes one shard ({chunk} elements)"]
     return []
 
 
 def _check_all_gather_on_rank(source: str, name: str,
-                              extra: tuple[tuple[int, ...], ...] = ()) -> list[str]:
+                              extra: tuple[tuple[int, ...], ...] = (),
+                              content_seed: int = 0) -> list[str]:
     """On every rank: run the learner's all-gather on several shapes (``extra``: more,
-    in float64); list problems."""
+    in float64); list problems. The shards' values are drawn (``content_seed``, which
+    the learner's function never sees): a result rebuilt without communication
+    cannot match."""
     fn = _load(source, name)
     rank, n = dist.get_rank(), dist.get_world_size()
     cases = [(shape, torch.int64) for shape in _CASES]
     cases += [(shape, torch.float64) for shape in extra]
-    for shape, dtype in cases:
-        shard = torch.arange(torch.Size(shape).numel(), dtype=dtype
-                             ).reshape(shape) + 100 * rank
-        want = torch.cat([torch.arange(shard.numel(), dtype=dtype).reshape(shape)
-                          + 100 * r for r in range(n)])
+
+    def shard_of(r: int, case: int, shape: tuple[int, ...], dtype: torch.dtype
+                 ) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(content_seed + 1000 * case + r)
+        return torch.randint(-999, 1000, shape, generator=gen).to(dtype)
+
+    for case, (shape, dtype) in enumerate(cases):
+        shard = shard_of(rank, case, shape, dtype)
+        want = torch.cat([shard_of(r, case, shape, dtype) for r in range(n)])
         with watch_comms() as log:
             got = fn(shard.clone())
         if isinstance(got, torch.Tensor) and got.dtype != dtype:
@@ -165,10 +180,11 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
     # Beyond the page's shapes: one drawn at random per check, in float64.
     rng = random.Random(seed)
     extra = (tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3))),)
+    content_seed = rng.randrange(2 ** 31)
     for n in world_sizes:
         try:
             results = launch.spawn(_check_all_gather_on_rank, n, source, name, extra,
-                                   timeout=timeout, stream=False)
+                                   content_seed, timeout=timeout, stream=False)
         except launch.LaunchTimeout as exc:
             raise WrongAnswer(
                 f"world_size={n}: your all-gather did not finish in {timeout:g} s: a "
@@ -187,7 +203,7 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
                               "again at 'Ring all-reduce, from send and recv': its "
                               "all-gather half is this exercise.")
     passed(f"your ring all-gather equals all_gather on {list(world_sizes)} ranks, "
-           "passing one shard to the right neighbour n - 1 times")
+           "passing one shard to the next rank round the ring n - 1 times")
 
 
 def _ring_bytes_sent(nbytes: int) -> int:

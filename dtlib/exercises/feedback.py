@@ -37,3 +37,6 @@ class WrongAnswer(AssertionError):
             lines.append("(Change your answer and run the cell again; a hint comes "
                          "from the second try on.)")
         return lines
+
+
+WrongAnswer.__module__ = "dtlib.exercises"  # where learners import it from

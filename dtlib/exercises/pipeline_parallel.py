@@ -111,7 +111,8 @@ class _Recv:
 class _P2PTrace:
     """While active, record this rank's point-to-point traffic and its stage's work.
 
-    ``trace`` gets ``("F",)`` when a forward of the stage starts, ``("B",)`` when a
+    ``trace`` gets ``("F",)`` when a forward of the stage starts (``("f",)`` when it
+    is a recomputation inside a backward), ``("B",)`` when a
     backward reaches its first parameter, ``("S", shape)`` when a send is posted and
     ``("R", shape)`` when a receive has completed (a blocking ``recv`` returned, or
     the learner's ``wait`` on an ``irecv``). ``send``/``recv`` are ``isend``/``irecv``
@@ -165,8 +166,13 @@ class _P2PTrace:
                              ("irecv", irecv)):
                 self._saved.append((module, name, getattr(module, name)))
                 setattr(module, name, fn)
-        self._hooks.append(self._stage.register_forward_pre_hook(
-            lambda *_: trace.append(("F",))))
+        def forward_starts(*_: Any) -> None:
+            # a forward the autograd engine runs is a recomputation
+            # (torch.utils.checkpoint), inside a backward: not a micro-batch's forward
+            task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+            trace.append(("f",) if task != -1 else ("F",))
+
+        self._hooks.append(self._stage.register_forward_pre_hook(forward_starts))
         first = next(self._stage.parameters())
         self._hooks.append(first.register_hook(lambda g: trace.append(("B",))))
         return self
@@ -266,7 +272,9 @@ def _check_pipelined(res: list[dict[str, Any]], n_micro: int, hidden: int) -> No
         trace = res[rank]["trace"]
         shown = " ".join(ev[0] for ev in trace) or "(nothing)"
         where = (f"m={n_micro}: rank {rank} did, in order (F forward, B backward, S "
-                 f"send posted, R receive done): {shown}.")
+                 "send posted, R receive done" + (", f forward recomputed in a "
+                                                  "backward" if any(ev[0] == "f" for ev in trace)
+                                                  else "") + f"): {shown}.")
         for kind, what in (("F", "forwards"), ("B", "backwards"),
                            ("S", "sends"), ("R", "receives")):
             n = len(_positions(trace, kind))
