@@ -567,8 +567,13 @@ def test_loss_scale_on_ranks_checker(capsys) -> None:
     assert "dist.all_reduce" in info.value.hint
 
 
-def _scaler_step(grads, scale, tracker, interval, agree=True):
-    found = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0])
+def _scaler_step(grads, scale, tracker, interval, agree=True, per_tensor=False):
+    if per_tensor:  # a host read per tensor: bool() of each one's check
+        found = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads)
+                              else 1.0])
+    else:
+        found = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
+        found = found.float().reshape(1)
     if agree:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
     for g in grads:
@@ -585,6 +590,10 @@ def _local_scaler_step(grads, scale, tracker, interval):
     return _scaler_step(grads, scale, tracker, interval, agree=False)
 
 
+def _per_tensor_scaler_step(grads, scale, tracker, interval):
+    return _scaler_step(grads, scale, tracker, interval, per_tensor=True)
+
+
 def test_scaler_step_checker(capsys) -> None:
     from dtlib.exercises.precision import check_scaler_step
 
@@ -592,6 +601,11 @@ def test_scaler_step_checker(capsys) -> None:
     assert "Correct" in capsys.readouterr().out
     with pytest.raises(WrongAnswer, match="step 2 .*the ranks disagree"):
         check_scaler_step(_local_scaler_step)
+    # right numbers, but one host read per tensor where the exercise asks for one
+    with pytest.raises(WrongAnswer, match=r"read tensors on the host 4 times in one "
+                                          r"step \(bool\(\), bool\(\), bool\(\), "
+                                          r"item\(\)\)"):
+        check_scaler_step(_per_tensor_scaler_step)
 
 
 def test_every_untouched_exercise_in_the_learner_copies_says_not_attempted(

@@ -204,8 +204,7 @@ def scaler_results(launched):
     return launched["scaler"]
 
 
-# The old solution, one host sync per tensor, is still accepted: it is
-# tests/test_exercises.py::test_scaler_step_checker's right answer.
+# One host read per tensor is refused: tests/test_exercises.py::test_scaler_step_checker.
 @pytest.mark.parametrize("name", ["right", "summed"])
 def test_scaler_accepts(scaler_results, name, capsys):
     prec.judge_scaler_steps(scaler_results[name])

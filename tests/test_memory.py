@@ -277,6 +277,10 @@ def test_exercise_checkers():
     for wrong in (10, 12, 20):
         with pytest.raises(WrongAnswer):
             ex.check_bytes_per_param(wrong)
+    # the model size the learner passes in is not trusted: N_d = 1 gives every stage
+    # the same total, so a plain-DP answer would "pass" for it
+    with pytest.raises(WrongAnswer, match="the exercise's model is Psi"):
+        ex.check_zero2_gb(7.5e9, 1, 7.5e9 * 16 / 1e9)
     ex.check_zero2_gb(7.5e9, 64, 16.640625)
     for wrong in (31.4, 1.875, 120, "16.6"):
         with pytest.raises(WrongAnswer):

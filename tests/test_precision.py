@@ -226,10 +226,14 @@ def test_checkers_accept_right_and_reject_wrong(capsys):
     with pytest.raises(WrongAnswer, match="subnormal"):  # the smallest normal instead
         ex.check_format_constants(lambda e, m: (2.0 ** -m, 2.0 ** (2 - 2 ** (e - 1)),
                                                 _constants(e, m)[2]))
-    vals = [1e-3, 1e-8, 1e-30]
-    ex.check_underflow_prediction(vals, [False, True, True], [False, False, False])
-    with pytest.raises(WrongAnswer, match="1e-08"):
-        ex.check_underflow_prediction(vals, [False, False, True], [False, False, False])
+    vals = list(ex.UNDERFLOW_VALUES)  # 3e-5, 5e-8, 2e-8, 1e-20, 1e-45
+    fp16, bf16 = [False, False, True, True, True], [False, False, False, False, True]
+    ex.check_underflow_prediction(vals, fp16, bf16)
+    with pytest.raises(WrongAnswer, match="2e-08"):
+        ex.check_underflow_prediction(vals, [False] * 5, bf16)
+    for fewer in ([], vals[:3]):  # predicting for fewer values predicts nothing
+        with pytest.raises(WrongAnswer, match="values lacks"):
+            ex.check_underflow_prediction(fewer, fp16[:len(fewer)], bf16[:len(fewer)])
     assert capsys.readouterr().out.count("Correct") == 3
 
 

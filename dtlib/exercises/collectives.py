@@ -89,7 +89,8 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
     # shard at once, and n - 1 shards in all.
     sent, got = sum(k for _, k in sends), sum(k for _, k in recvs)
     if len(sends) < n - 1 or sent != (n - 1) * chunk or got != (n - 1) * chunk:
-        return [f"rank {rank} of {n} sends {len(sends)} message(s) of {sent} element(s) "
+        return [f"rank {rank} of {n} sends {len(sends)} message(s) of {sent} "
+                f"element(s) "
                 f"and receives {got}: a ring all-gather takes n - 1 = {n - 1} steps, "
                 f"each passing one shard ({chunk} elements)"]
     if any(k > chunk for _, k in sends + recvs):

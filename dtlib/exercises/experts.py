@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
 import torch
@@ -16,11 +17,13 @@ DISPATCH_WORLD = 3
 _HIDDEN = 4
 
 
-def _case(case: int, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _case(case: int, rank: int, n: int, content_seed: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s rows and their destinations in case ``case``: 0 sends two
     rows to every rank (every split equal), 1 sends uneven splits, 2 sends nothing
-    to the last rank."""
-    gen = torch.Generator().manual_seed(10 * case + rank)
+    to the last rank. ``content_seed`` (drawn per check, never shown to the learner's
+    function) makes the rows and routes unknowable without the all-to-alls."""
+    gen = torch.Generator().manual_seed(content_seed + 10 * case + rank)
     if case == 0:
         order = torch.randperm(2 * n, generator=gen)
         dest = torch.arange(n).repeat_interleave(2)[order]
@@ -32,11 +35,11 @@ def _case(case: int, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x + 100 * rank, dest  # a row's source readable from its values
 
 
-def _truth(case: int, rank: int, n: int) -> torch.Tensor:
+def _truth(case: int, rank: int, n: int, content_seed: int = 0) -> torch.Tensor:
     """One process: every source's rows for ``rank``, by source, in source order."""
     rows = []
     for src in range(n):
-        x, dest = _case(case, src, n)
+        x, dest = _case(case, src, n, content_seed)
         rows.append(x[dest == rank])
     return torch.cat(rows)
 
@@ -63,7 +66,8 @@ class UnstableSorts(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def dispatch_on_rank(dispatch: Callable[..., torch.Tensor]) -> list[dict[str, Any]]:
+def dispatch_on_rank(dispatch: Callable[..., torch.Tensor], content_seed: int = 0
+                     ) -> list[dict[str, Any]]:
     """On one rank: each case's rows and destinations passed to ``dispatch(x,
     dest)``, its all-to-alls counted, its result beside the one-process truth.
     Stops after a case whose answer made fewer than two all-to-alls (a later,
@@ -78,15 +82,16 @@ def dispatch_on_rank(dispatch: Callable[..., torch.Tensor]) -> list[dict[str, An
     rank, n, device = dist.get_rank(), dist.get_world_size(), world().device
     out = []
     for case in range(3):
-        x, dest = _case(case, rank, n)
+        x, dest = _case(case, rank, n, content_seed)
         with count_comms() as log, UnstableSorts() as sorts:
             got = dispatch(x.to(device), dest.to(device))
         got = got.detach().cpu() if isinstance(got, torch.Tensor) else \
             f"a {type(got).__name__}"
         a2a = [(r.numel, r.bytes) for r in log.records if r.op == "all_to_all"]
         others = sorted({r.op for r in log.records} - {"all_to_all"})
-        out.append({"case": case, "got": got, "want": _truth(case, rank, n),
-                    "a2a": a2a, "others": others, "unstable": sorts.found})
+        out.append({"case": case, "got": got,
+                    "want": _truth(case, rank, n, content_seed), "a2a": a2a,
+                    "others": others, "unstable": sorts.found})
         if len(a2a) < 2:
             break
     return out
@@ -165,7 +170,8 @@ _DISPATCH_FORBIDS = {
 
 
 @checker(forbids=_DISPATCH_FORBIDS)
-def check_dispatch(dispatch: Callable[..., torch.Tensor]) -> None:
+def check_dispatch(dispatch: Callable[..., torch.Tensor],
+                   seed: int | None = None) -> None:
     """Check ``dispatch(x, dest) -> received`` on 3 real ranks: ``x`` (rows, h) are
     this rank's tokens, ``dest`` (rows,) the rank each must go to; return the rows
     this rank receives, grouped by source rank, each source's in its order.
@@ -175,11 +181,13 @@ def check_dispatch(dispatch: Callable[..., torch.Tensor]) -> None:
             form), one of the rows. The rows need ``all_to_all_single`` with split
             sizes on gloo: its list form ``all_to_all`` wants equal shapes there,
             which uneven routing does not give (NCCL takes uneven lists).
+        seed: draws the rows' values and routes (default: fresh each call).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 14, "Expert parallelism on all-to-alls".
     """
-    ranks = run_on_ranks(dispatch_on_rank, dispatch, DISPATCH_WORLD,
+    content_seed = random.Random(seed).randrange(2 ** 31)  # the rows' values
+    ranks = run_on_ranks(dispatch_on_rank, dispatch, DISPATCH_WORLD, content_seed,
                          what="your dispatch")
     judge_dispatch(ranks)

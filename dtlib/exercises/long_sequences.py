@@ -80,8 +80,11 @@ def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.softmax(scores, dim=-1) @ v
 
 
-def ring_step_on_rank(attend: Callable[..., torch.Tensor]) -> list[dict[str, Any]]:
-    """On one rank: full float64 q, k, v from a fixed seed, this rank's contiguous
+def ring_step_on_rank(attend: Callable[..., torch.Tensor], content_seed: int = 0
+                      ) -> list[dict[str, Any]]:
+    """On one rank: full float64 q, k, v from ``content_seed`` (drawn per check and
+    never shown to ``attend``: the other ranks' blocks cannot be rebuilt, only
+    received), this rank's contiguous
     piece of the sequence passed to ``attend(q, k, v)``, and the rows of full
     (non-causal) attention it must return.
 
@@ -96,7 +99,7 @@ def ring_step_on_rank(attend: Callable[..., torch.Tensor]) -> list[dict[str, Any
     rank, n, device = dist.get_rank(), dist.get_world_size(), world().device
     out = []
     for i, (b, a, s, d) in enumerate(_RING_SHAPES):
-        gen = torch.Generator().manual_seed(100 + i)
+        gen = torch.Generator().manual_seed(content_seed + 100 + i)
         q, k, v = (torch.randn(b, a, s, d, generator=gen, dtype=torch.float64)
                    for _ in range(3))
         q = q * _Q_SCALE
@@ -173,7 +176,8 @@ _RING_STEP_FORBIDS = {
 
 
 @checker(forbids=_RING_STEP_FORBIDS)
-def check_ring_step(attend: Callable[..., torch.Tensor]) -> None:
+def check_ring_step(attend: Callable[..., torch.Tensor],
+                    seed: int | None = None) -> None:
     """Check ``attend(q, k, v) -> out`` on 3 real ranks: each rank holds a contiguous
     piece of the sequence, ``(b, a, s / cp, d)`` for each of q, k and v (float64), and
     returns its rows of full non-causal softmax attention over the whole sequence.
@@ -181,12 +185,15 @@ def check_ring_step(attend: Callable[..., torch.Tensor]) -> None:
     Args:
         attend: the learner's function; a ring of point-to-point sends with an
             online softmax, or an all-gather of K and V, both pass.
+        seed: draws q, k and v's values (default: fresh each call).
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 12, "Context parallelism: ring attention".
     """
-    ranks = run_on_ranks(ring_step_on_rank, attend, RING_WORLD, what="your attend")
+    content_seed = random.Random(seed).randrange(2 ** 31)  # q, k and v's values
+    ranks = run_on_ranks(ring_step_on_rank, attend, RING_WORLD, content_seed,
+                         what="your attend")
     judge_ring_step(ranks)
     passed(f"on {RING_WORLD} ranks, for {len(_RING_SHAPES)} shapes, each rank's rows "
            "equal full attention over the whole sequence")

@@ -41,9 +41,20 @@ def check_bytes_per_param(answer: float) -> None:
     passed("mixed-precision Adam holds 2 + 2 + 12 = 16 bytes per parameter")
 
 
+#: The exercise's model and data-parallel degree (Chapter 1, "ZeRO-2 by hand").
+ZERO2_PSI, ZERO2_DP = 7.5e9, 64
+
+
 @checker
 def check_zero2_gb(n_params: float, dp: int, answer_gb: float) -> None:
-    """Per-device model-state memory in GB (1e9 B) under ZeRO-2 (P_os+g)."""
+    """Per-device model-state memory in GB (1e9 B) under ZeRO-2 (P_os+g), for the
+    exercise's Psi and N_d: an answer for other numbers the learner passed in (say
+    N_d = 1, where every stage holds everything) is refused."""
+    if (as_number(n_params), as_number(dp)) != (ZERO2_PSI, ZERO2_DP):
+        raise WrongAnswer(
+            f"you passed Psi={n_params!r}, N_d={dp!r}: the exercise's model is "
+            f"Psi = {ZERO2_PSI:.3g} parameters on N_d = {ZERO2_DP} GPUs; keep them "
+            "and compute the answer for those")
     truth = {s: model_state_bytes(n_params, zero_stage=s, dp=dp).total / GB
              for s in STAGES}
     for s, name in ((0, "plain data parallelism"), (1, "ZeRO-1"), (3, "ZeRO-3")):
@@ -141,6 +152,16 @@ def check_fitting_combinations(answer, device_gb: float = 80.0) -> None:
 SAVED_CASES = ((16, 32, 2, 1, 3), (8, 48, 4, 2, 1))
 
 
+_NO_COLLECTIVE = "no collective: "
+
+
+def _number_or_repr(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def saved_on_rank(count: Callable[..., Any]) -> list[Any]:
     """On each rank: the learner's count for a fresh ``Block`` of each case.
 
@@ -155,6 +176,7 @@ def saved_on_rank(count: Callable[..., Any]) -> list[Any]:
     import torch.distributed as dist
 
     # loads torch on first use: this module imports without it
+    from dtlib.collectives.accounting import count_comms
     from dtlib.models.gpt import Block, GPTConfig
     from dtlib.runtime.dist import world
 
@@ -163,8 +185,12 @@ def saved_on_rank(count: Callable[..., Any]) -> list[Any]:
         torch.manual_seed(0)
         layer = Block(GPTConfig(seq_len=s, hidden=h, n_heads=a)).to(device).train()
         x = torch.randn(batches[rank], s, h, device=device, requires_grad=True)
-        got = count(layer, x)
-        out.append(as_number(got) if as_number(got) is not None else repr(got))
+        with count_comms() as log:
+            got = count(layer, x)
+        got = as_number(got) if as_number(got) is not None else repr(got)
+        # the ranks' micro-batches differ: their sum cannot be known without a
+        # collective (a table of the checker's cases could give it)
+        out.append(got if log.records else f"{_NO_COLLECTIVE}{got}")
     return out
 
 
@@ -230,6 +256,9 @@ def judge_saved_bytes(ranks: list[list[Any]]) -> None:
         got = [r[i] for r in ranks]
         where = (f"a block with s={s}, h={h}, a={a}, micro-batch {batches[0]} on "
                  f"rank 0 and {batches[1]} on rank 1")
+        silent = [isinstance(g, str) and g.startswith(_NO_COLLECTIVE) for g in got]
+        got = [_number_or_repr(g[len(_NO_COLLECTIVE):]) if quiet else g
+               for g, quiet in zip(got, silent)]
         if any(isinstance(g, str) for g in got):
             raise WrongAnswer(f"{where}: return a number of bytes, got {got}")
         truth = saved_bytes_truth(s, h, a, tuple(batches))
@@ -249,5 +278,11 @@ def judge_saved_bytes(ranks: list[list[Any]]) -> None:
                 "count bytes (untyped_storage().nbytes()), each storage once (the "
                 "softmax output is saved by two ops; a view shares its base's "
                 "storage), and leave out the parameters a linear layer saves")
+        if any(silent):
+            raise WrongAnswer(
+                f"{where}: the right sum, but rank {silent.index(True)} found it "
+                "without any collective: each rank holds only its own micro-batch, "
+                "so only communication can tell it the others' counts.",
+                "all-reduce a tensor holding this rank's count")
     passed("your count equals the per-layer formula, summed over both ranks, for "
            f"{len(SAVED_CASES)} shapes")

@@ -271,10 +271,10 @@ def _check_pipelined(res: list[dict[str, Any]], n_micro: int, hidden: int) -> No
     for rank in (0, 1):
         trace = res[rank]["trace"]
         shown = " ".join(ev[0] for ev in trace) or "(nothing)"
+        recomputed = (", f forward recomputed in a backward"
+                      if any(ev[0] == "f" for ev in trace) else "")
         where = (f"m={n_micro}: rank {rank} did, in order (F forward, B backward, S "
-                 "send posted, R receive done" + (", f forward recomputed in a "
-                                                  "backward" if any(ev[0] == "f" for ev in trace)
-                                                  else "") + f"): {shown}.")
+                 f"send posted, R receive done{recomputed}): {shown}.")
         for kind, what in (("F", "forwards"), ("B", "backwards"),
                            ("S", "sends"), ("R", "receives")):
             n = len(_positions(trace, kind))

@@ -6,13 +6,17 @@ import random
 from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+from dtlib.collectives.accounting import count_comms
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.runtime.dist import world
 
 # Formats the chapter does not tabulate (exponent bits, mantissa bits), IEEE-style:
 # the all-ones exponent is kept for inf and NaN. fp16 and fp64 are there too, so that
 # an answer is also checked against torch.finfo.
+#: The gradient values of Chapter 7's underflow exercise.
+UNDERFLOW_VALUES = (3e-5, 5e-8, 2e-8, 1e-20, 1e-45)
 FORMATS_TRIED = ((5, 10), (6, 9), (4, 3), (3, 4), (11, 52), (7, 16))
 
 
@@ -93,8 +97,13 @@ def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
                                bf16_zero: list[bool]) -> None:
     """Check which of ``values`` become exactly 0 when stored in fp16 and in bf16.
 
-    The truth is what torch does when it casts each value.
+    The truth is what torch does when it casts each value. ``values`` must hold the
+    page's (:data:`UNDERFLOW_VALUES`): a shortened or empty list predicts nothing.
     """
+    missing = [v for v in UNDERFLOW_VALUES if v not in list(values)]
+    if missing:
+        raise WrongAnswer(f"values lacks {missing}: predict for every value of the "
+                          f"exercise, {list(UNDERFLOW_VALUES)}")
     for dtype, guess in ((torch.float16, fp16_zero), (torch.bfloat16, bf16_zero)):
         if len(guess) != len(values):
             raise WrongAnswer(f"give one bool per value: {len(values)} values, "
@@ -149,6 +158,26 @@ def scaler_truth(overflows: tuple[bool, ...], growth_interval: int,
     return out
 
 
+class HostSyncs(TorchFunctionMode):
+    """Inside the block, record each time a tensor's value is read on the host
+    (``item``, ``bool``, ``float``, ``int``, ``tolist``, ``numpy``): on a GPU each
+    one waits for the device. ``calls`` lists them by name."""
+
+    READS = frozenset({"item", "__bool__", "__float__", "__int__", "__index__",
+                       "tolist", "numpy"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.calls.append(name.strip("_") + "()")
+        return func(*args, **(kwargs or {}))
+
+
 def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
     """On each of two ranks: the learner's update over each of :data:`SCALER_CASES`,
     with this rank's own (scaled) gradients.
@@ -156,8 +185,8 @@ def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
     Args:
         step: the learner's ``step(grads, scale, growth_tracker, growth_interval)``.
     Returns:
-        Per case, per step: ``(skip, scale, tracker, unscaled)``, or ``("bad",
-        message)`` where what it returned was not three numbers.
+        Per case, per step: ``(skip, scale, tracker, unscaled, host reads)``, or
+        ``("bad", message)`` where what it returned was not three numbers.
 
     Taught in: Chapter 7, exercise "A loss-scaler step that the ranks agree on".
     """
@@ -178,14 +207,16 @@ def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
                 poisoned[where] = float(per_rank[rank])
             want = [g / scale for g in grads]
             try:
-                skip, scale, tracker = step(grads, scale, tracker, interval)
+                with HostSyncs() as syncs:
+                    result = step(grads, scale, tracker, interval)
+                skip, scale, tracker = result
                 scale, tracker = float(scale), int(tracker)
             except (TypeError, ValueError) as err:
                 steps.append(("bad", repr(err)))
                 break
             unscaled = per_rank[rank] is not None or all(
                 torch.allclose(g, w) for g, w in zip(grads, want))
-            steps.append((bool(skip), scale, tracker, unscaled))
+            steps.append((bool(skip), scale, tracker, unscaled, syncs.calls))
         out.append(steps)
     return out
 
@@ -240,7 +271,7 @@ def judge_scaler_steps(ranks: list[list[Any]]) -> None:
                 if r[0] == "bad":
                     raise WrongAnswer(f"{where}: return (skip, new_scale, "
                                       f"new_growth_tracker) as numbers: {r[1]}")
-            (skip0, s0, t0, u0), (skip1, s1, t1, u1) = r0, r1
+            (skip0, s0, t0, u0, *sync0), (skip1, s1, t1, u1, *_) = r0, r1
             if skip0 != skip1 or s0 != s1:
                 raise WrongAnswer(
                     f"{where}: the ranks disagree: rank 0 skip={skip0}, scale={s0:g}; "
@@ -270,6 +301,13 @@ def judge_scaler_steps(ranks: list[list[Any]]) -> None:
             if not (u0 and u1):
                 raise WrongAnswer(f"{where}: the gradients were not unscaled in place "
                                   "(divided by the scale the loss was multiplied by).")
+            if sync0 and len(sync0[0]) > 1:
+                raise WrongAnswer(
+                    f"{where}: rank 0 read tensors on the host {len(sync0[0])} times "
+                    f"in one step ({', '.join(sync0[0])}): on a GPU each one waits "
+                    "for the device.", "the exercise asks for one host "
+                    "synchronisation per step: combine the tensors' checks into one "
+                    "flag on the device, all-reduce it, and read it once")
     passed("both ranks skip together on inf and NaN and update scale and tracker like "
            f"GradScaler, over {len(SCALER_CASES)} sequences")
 
@@ -325,12 +363,21 @@ def grad_shards_on_rank(reduce: Callable[..., torch.Tensor]) -> list[Any]:
     for case, reduce_dtype in enumerate(REDUCE_CASES):
         grad = rank_gradient(case, dist.get_rank()).to(world().device)
         try:
-            shard = reduce(grad.clone(), reduce_dtype)
+            with count_comms() as log:
+                shard = reduce(grad.clone(), reduce_dtype)
         except (TypeError, ValueError, RuntimeError) as err:
             out.append(("bad", f"{type(err).__name__}: {err}"))
             continue
         if not torch.is_tensor(shard):
             out.append(("bad", f"returned {type(shard).__name__}, not a tensor"))
+            continue
+        # the method: only reduce-scatters, in reduce_dtype (the wire's dtype)
+        wire = sorted({(r.op, r.dtype.removeprefix("torch.")) for r in log.records})
+        asked = str(reduce_dtype).removeprefix("torch.")
+        if wire != [("reduce_scatter", asked)]:
+            out.append(("bad", f"your collectives were {wire or 'none'} (op, dtype): "
+                               f"the exercise asks for a reduce-scatter in {asked}, "
+                               "the dtype on the wire, and nothing else"))
             continue
         out.append(("ok", shard.detach().cpu()))
     return out

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from dtlib.collectives.accounting import count_comms
 from dtlib.collectives.cost_model import cost_terms
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.tensor_parallel.gpt import block_tp_numbers
@@ -90,13 +91,17 @@ def _column_on_rank(fn: Callable[..., torch.Tensor]) -> dict[str, Any]:
     x.requires_grad_()  # (b, h_in), the same on every rank
     upstream = torch.randn(_COL_BATCH, _COL_OUT,
                            generator=torch.Generator().manual_seed(1))[:, lo:hi]
-    out = fn(x, w, b)
+    with count_comms() as forward:
+        out = fn(x, w, b)
     if not isinstance(out, torch.Tensor) or out.shape != (_COL_BATCH, hi - lo):
         return {"shape": tuple(out.shape) if isinstance(out, torch.Tensor) else None,
                 "rows": (lo, hi)}
-    (out * upstream).sum().backward()
+    with count_comms() as backward:
+        (out * upstream).sum().backward()
     return {"shape": tuple(out.shape), "rows": (lo, hi), "out": out.detach(),
-            "x_grad": x.grad, "w_grad": w.grad, "b_grad": b.grad}
+            "x_grad": x.grad, "w_grad": w.grad, "b_grad": b.grad,
+            "forward_ops": [r.op for r in forward.records],
+            "backward_ops": [(r.op, r.numel) for r in backward.records]}
 
 
 def _column_reference(rows: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
@@ -182,5 +187,17 @@ def check_column_parallel(fn: Callable[..., torch.Tensor],
                     _close(res["b_grad"], full["b_grad"][lo:hi])):
                 raise WrongAnswer(f"{where}: the weight or bias shard's gradient "
                                   "differs from one process's rows.")
+            # The method: f is the identity in forward and one all-reduce of the
+            # input's gradient in backward (the recorder sees every spelling).
+            if res["forward_ops"] and n > 1:
+                raise WrongAnswer(
+                    f"{where}: your forward communicates ({res['forward_ops']}), and "
+                    "gets the right numbers anyway: f's forward is the identity, a "
+                    "column-parallel forward sends nothing.")
+            if n > 1 and res["backward_ops"] != [("all_reduce", _COL_BATCH * _COL_IN)]:
+                raise WrongAnswer(
+                    f"{where}: backward issued {res['backward_ops'] or 'nothing'} "
+                    "(op, elements): f all-reduces x's gradient once, "
+                    f"{_COL_BATCH} x {_COL_IN} elements, and nothing else.")
     passed(f"your column-parallel layer with f equals one process on "
            f"{list(world_sizes)} ranks: output slices, input and weight gradients")
