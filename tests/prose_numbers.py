@@ -35,7 +35,7 @@ ALLOW_DIR = os.path.join(HERE, "prose_numbers")
 _SPANS = [
     r"```.*?```", r"~~~.*?~~~", r"\$\$.*?\$\$", r"(?<!\\)\$[^$]+?(?<!\\)\$",
     r"\{[a-z:\-]+\}`[^`]*`", r"`[^`]*`", r"\]\([^)]*\)", r"<!--.*?-->",
-    r"^:[a-z\-]+:.*$", r"^\([^)]*\)=\s*$", r"<[^>\n]+>",
+    r"^:[a-z\-]+:[^\n]*$", r"^\([^)]*\)=\s*$", r"<[^>\n]+>",
 ]
 _SPAN_RE = re.compile("|".join(f"(?:{s})" for s in _SPANS), re.S | re.M)
 
@@ -61,6 +61,32 @@ _NAME_AFTER = re.compile(
 # A count of ranks (or GPUs, nodes) is the world a cell sets up, not a result.
 _WORLD_AFTER = re.compile(r"^\s*(?:ranks?|processes|GPUs?|nodes?|devices|cores)\b")
 
+# Numbers in words: a number word before a unit of measure ("a few hundred bytes",
+# "eight times more precise", "a minute and a half"), and the fractions and multiples
+# that state a ratio ("twice the", "a quarter of", "half the").
+_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|"
+          "fourteen|fifteen|sixteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|"
+          "ninety|hundred|thousand|million|billion|a few|several|a dozen|dozens of|"
+          "a minute|an hour|half an hour")
+_UNITS = (r"bytes?|kilobytes|megabytes|gigabytes|[KMGT]i?B|ms|milliseconds|"
+          r"microseconds|seconds?|minutes?|hours?|times|percent|per ?cent|parameters|"
+          r"FLOPs|elements|and a half")
+_NUMBER_WORDS = re.compile(
+    rf"(?<![\w\-])(?:{_WORDS})(?:[- ](?:{_WORDS}))*\s+(?:{_UNITS})\b"
+    r"(?!\s+to read)", re.I)
+_RATIO_WORDS = re.compile(
+    r"(?<![\w\-])(?:twice|thrice|half|a quarter|a third|double|triple)\s+"
+    r"(?:as|the|of|more|less|its|their)\b", re.I)
+# Inside math, a value computed from other symbols ("$4h = 128$", "$\approx 7 \times
+# 10^{-4}$"); a definition of one symbol ("$h = 64$", "$N_d = 64$") is a setting.
+_MATH = re.compile(r"(?<!\\)\$\$?([^$]+?)(?<!\\)\$\$?")
+_MATH_VALUE = re.compile(
+    r"(?:^|[,;(]|\\quad|\\text\{[^}]*\})\s*([^=,;(]*?)\s*(=|\\approx|\\sim|\\le|"
+    r"\\ge|<|>)\s*([-−]?\d[\d.,]*(?:\s*\\times\s*10\^\{?[-−]?\d+\}?)?)(?![\w{^\\])")
+_SYMBOL = re.compile(r"^\\?[A-Za-z]+(?:_\{?[\w,]+\}?)?$")
+# "a 10M-parameter model": a size written as a name, still a claim.
+_SIZE_NAME = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[KMBT]-?param(?:eter)?s?\b")
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -75,6 +101,38 @@ class Claim:
 def _blank(match: re.Match) -> str:
     """Replace a span by spaces of the same length (keeps positions and lines)."""
     return re.sub(r"[^\n]", " ", match.group(0))
+
+
+# A MyST directive's fences hold prose (a note, a margin, an admonition): only its
+# fence lines are blanked, so its numbers are scanned like the page's. Fenced code and
+# math stay masked whole, and so does an exercise: its numbers are the problem's
+# givens (the ranks its checker starts, the model it describes), which the checker's
+# tests hold to the checker.
+_FENCE = re.compile(r"^(```+|~~~+)\s*(\{([\w:-]+)\})?")
+_CODE_DIRECTIVES = {"code-cell", "code", "code-block", "math", "mermaid", "exercise"}
+
+
+def _open_directives(text: str) -> str:
+    lines, stack = text.split("\n"), []
+    for i, line in enumerate(lines):
+        m = _FENCE.match(line)
+        if not m:
+            continue
+        if stack and stack[-1][0] == "code":
+            if line.startswith(stack[-1][1]) and not line.strip()[len(stack[-1][1]):]:
+                stack.pop()  # the code fence closes: _SPAN_RE masks it whole
+            continue
+        name = m.group(3)
+        if name and name not in _CODE_DIRECTIVES:
+            stack.append(("directive", m.group(1)))
+            lines[i] = " " * len(line)
+        elif not m.group(2) and not line.strip()[len(m.group(1)):] and stack and \
+                stack[-1] == ("directive", m.group(1)):
+            stack.pop()
+            lines[i] = " " * len(line)
+        else:
+            stack.append(("code", m.group(1)))
+    return "\n".join(lines)
 
 
 def _markdown_cells(path: str) -> list[str]:
@@ -110,7 +168,7 @@ def claims_in_text(text: str, notebook: str, allow: list[str]) -> list[Claim]:
     if text.lstrip().startswith("#") and "\n" not in text.strip():
         return []  # a heading cell: numbered titles only
     raw = text
-    masked = _SPAN_RE.sub(_blank, text)
+    masked = _SPAN_RE.sub(_blank, _open_directives(text))
     # Headings are titles ("## 3. Ring all-reduce"), not claims.
     masked = re.sub(r"^#+ .*$", _blank, masked, flags=re.M)
     flat = " ".join(raw.split())
@@ -136,7 +194,31 @@ def claims_in_text(text: str, notebook: str, allow: list[str]) -> list[Claim]:
         if any(a in context or a in sentence or a in flat[:0] for a in allow):
             continue
         found.append(Claim(notebook, phrase, sentence))
+    found.extend(_worded_claims(raw, masked, notebook, allow))
     return found
+
+
+def _worded_claims(raw: str, masked: str, notebook: str, allow: list[str]
+                   ) -> list[Claim]:
+    """Numbers in words, values computed inside math, and sizes written as names."""
+    hits = [m.span() for pattern in (_NUMBER_WORDS, _RATIO_WORDS, _SIZE_NAME)
+            for m in pattern.finditer(masked)]
+    code = re.compile(r"```.*?```|~~~.*?~~~|`[^`]*`", re.S)
+    for math in _MATH.finditer(code.sub(_blank, raw)):
+        for m in _MATH_VALUE.finditer(math.group(1)):
+            lhs = m.group(1).strip()
+            if lhs and not _SYMBOL.match(lhs):
+                hits.append((math.start(1) + m.start(3), math.start(1) + m.end(3)))
+    out = []
+    for start, end in sorted(hits):
+        sentence = _sentence(raw, start, end)
+        context = " ".join(raw[max(0, start - 60):end + 60].split())
+        if "{cite" in sentence or any(a in context or a in sentence for a in allow):
+            continue  # a published figure beside its citation, or allow-listed
+        if re.search(r"\{glue:text\}`[^`]*`\s*$", raw[max(0, start - 60):start]):
+            continue  # "{glue} billion parameters": the number is glued
+        out.append(Claim(notebook, " ".join(raw[start:end].split()), sentence))
+    return out
 
 
 def claims(notebook_path: str) -> list[Claim]:
