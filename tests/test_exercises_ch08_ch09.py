@@ -35,6 +35,30 @@ def _scale_by_all_gather(local_tokens):
     return dist.get_world_size() / float(torch.cat(every).sum())
 
 
+def _page_table():
+    from dtlib.exercises.accumulation import SCALE_CASES, _scale_truth
+
+    cases = list(SCALE_CASES) + [tuple(tuple(7 * r + k + 1 for k in range(3))
+                                       for r in range(n)) for n in (2, 3, 4, 5)]
+    return {(len(c), c[r]): _scale_truth([list(x) for x in c])
+            for c in cases for r in range(len(c))}
+
+
+_TABLE = _page_table()
+
+
+def _scale_from_a_table(local_tokens):
+    """Every case the checker used to try, looked up; one all-reduce as a decoy."""
+    decoy = torch.ones(1)
+    dist.all_reduce(decoy)
+    return _TABLE.get((dist.get_world_size(), tuple(local_tokens)), 1.0)
+
+
+def test_loss_scale_draws_counts_no_table_knows() -> None:
+    with pytest.raises(WrongAnswer, match="token counts"):
+        check_loss_scale_on_ranks(_scale_from_a_table)
+
+
 def test_loss_scale_accepts_all_gather(capsys) -> None:
     check_loss_scale_on_ranks(_scale_by_all_gather, world_sizes=(2,))
     assert "Correct" in capsys.readouterr().out

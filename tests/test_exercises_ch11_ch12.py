@@ -180,6 +180,24 @@ def test_grid_groups_checker_end_to_end(capsys) -> None:
     assert "Correct" in capsys.readouterr().out
 
 
+def groups_for_four_ranks_only(dp, tp):
+    """The page's two grids written out: right wherever the checker used to look."""
+    rows, cols = {(2, 2): ([[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+                  (1, 4): ([[0, 1, 2, 3]], [[0], [1], [2], [3]])}[(dp, tp)]
+    rank, mine = dist.get_rank(), {}
+    for name, lines in (("tp", rows), ("dp", cols)):
+        for line in lines:
+            group = dist.new_group(line)
+            if rank in line:
+                mine[name] = group
+    return mine["tp"], mine["dp"]
+
+
+def test_grid_groups_tries_a_grid_of_six_ranks() -> None:
+    with pytest.raises(WrongAnswer, match="on 6 ranks"):
+        md.check_grid_groups(groups_for_four_ranks_only)
+
+
 # ---- chapter 12: one attention step over a split sequence, on 2 ranks ---------------
 
 

@@ -95,7 +95,8 @@ _LOSS_SCALE_ON_RANKS_FORBIDS = {
 
 @checker(forbids=_LOSS_SCALE_ON_RANKS_FORBIDS)
 def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
-                              world_sizes: tuple[int, ...] = (2, 4)) -> None:
+                              world_sizes: tuple[int, ...] | None = None,
+                              seed: int | None = None) -> None:
     """Check ``scale(local_token_counts) -> float`` on real ranks.
 
     Each rank passes the real-token counts of its own micro-batches (this optimizer
@@ -103,10 +104,21 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
     so that after DDP averages the gradients they equal the large batch's mean loss.
     A rank does not know the others' counts: it must ask them, with one collective
     (an all-reduce of its count, or an all-gather of every rank's count).
+
+    Worlds of 2 and 4 ranks and one drawn from 3 and 5 (``seed``); on each, the page's
+    counts and counts drawn per check (1 to 4 micro-batches a rank, zeros among them),
+    so no table of the checker's cases can stand in for the collective.
     """
+    rng = random.Random(seed)
+    if world_sizes is None:
+        world_sizes = (2, 4, rng.choice((3, 5)))
     for n in world_sizes:
+        drawn = tuple(tuple(rng.randint(0, 60) for _ in range(rng.randint(1, 4)))
+                      for _ in range(n))
+        if not sum(map(sum, drawn)):
+            drawn = ((1,), *drawn[1:])  # some rank holds a real token
         cases = tuple(c for c in SCALE_CASES if len(c) == n) + (
-            tuple(tuple(7 * r + k + 1 for k in range(3)) for r in range(n)),)
+            tuple(tuple(7 * r + k + 1 for k in range(3)) for r in range(n)), drawn)
         ranks = run_on_ranks(_scale_on_rank, scale, n, cases,
                              what="your normaliser")
         for i, case in enumerate(cases):

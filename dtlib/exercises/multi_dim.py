@@ -151,6 +151,7 @@ def check_smallest_v(smallest_v: Callable[[Sequence[Llama3Row]], dict[Any, Any]]
 
 GRID_WORLD = 4
 _GRIDS = ((2, 2), (1, 4))  # (dp, tp): the page's grid, and one tp group of all ranks
+_DRAWN_GRIDS = ((2, 3), (3, 2), (1, 6), (6, 1))  # one of them, on 6 ranks
 
 
 def _members(group: Any) -> list[int] | str:
@@ -159,13 +160,16 @@ def _members(group: Any) -> list[int] | str:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def grid_groups_on_rank(build: Callable[[int, int], Any]) -> list[dict[str, Any]]:
-    """On one rank: call ``build(dp, tp)`` for each grid of ``_GRIDS`` (every rank,
-    the same order), record the members of the two groups it returns, and the sum
-    an all-reduce of ``rank + 1`` gives over each.
+def grid_groups_on_rank(build: Callable[[int, int], Any],
+                        grids: tuple[tuple[int, int], ...] = _GRIDS
+                        ) -> list[dict[str, Any]]:
+    """On one rank: call ``build(dp, tp)`` for each of ``grids`` (every rank, the
+    same order), record the members of the two groups it returns, and the sum an
+    all-reduce of ``rank + 1`` gives over each.
 
     Args:
         build: the learner's function, returning ``(tp_group, dp_group)``.
+        grids: ``(dp, tp)`` pairs whose product is the world size.
     Returns:
         One record per grid: ``dp_size``, ``tp_size``, ``rank`` and, per group
         (``tp``, ``dp``), its members (or what it is instead of a group) and the
@@ -174,7 +178,7 @@ def grid_groups_on_rank(build: Callable[[int, int], Any]) -> list[dict[str, Any]
     Taught in: Chapter 11, "A rank grid by hand" (its exercise).
     """
     rank, out = dist.get_rank(), []
-    for dp, tp in _GRIDS:
+    for dp, tp in grids:
         got = build(dp, tp)
         rec: dict[str, Any] = {"dp_size": dp, "tp_size": tp, "rank": rank}
         if not (isinstance(got, tuple) and len(got) == 2):
@@ -245,21 +249,26 @@ _GRID_GROUPS_FORBIDS = {
 
 
 @checker(forbids=_GRID_GROUPS_FORBIDS)
-def check_grid_groups(build: Callable[[int, int], Any]) -> None:
-    """Check ``build(dp, tp) -> (tp_group, dp_group)`` on 4 real ranks: the process
+def check_grid_groups(build: Callable[[int, int], Any],
+                      seed: int | None = None) -> None:
+    """Check ``build(dp, tp) -> (tp_group, dp_group)`` on real ranks: the process
     groups of this rank's row and column of the ``(dp, tp)`` rank grid, for the grids
-    2 x 2 and 1 x 4 (created in that order on every rank).
+    2 x 2 and 1 x 4 on 4 ranks (created in that order on every rank), then for one
+    grid of 6 ranks drawn from ``seed`` (2 x 3, 3 x 2, 1 x 6, 6 x 1: odd lines).
 
     Args:
-        build: the learner's function; it may use ``dist.new_group`` or a
-            ``DeviceMesh``'s groups.
+        build: the learner's function, with ``dist.new_group``; a ``DeviceMesh``
+            (``init_device_mesh``) is switched off: building the grid is the exercise.
     Returns:
         None (prints "Correct" or raises :class:`WrongAnswer`).
 
     Taught in: Chapter 11, "A rank grid by hand".
     """
-    ranks = run_on_ranks(grid_groups_on_rank, build, GRID_WORLD,
-                         what="your build_groups")
-    judge_grid_groups(ranks)
-    passed(f"on {GRID_WORLD} ranks your groups are the rows (tp) and columns (dp) of "
-           f"each of {len(_GRIDS)} grids, and all-reduce over exactly those ranks")
+    drawn = random.Random(seed).choice(_DRAWN_GRIDS)
+    for world_size, grids in ((GRID_WORLD, _GRIDS), (6, (drawn,))):
+        ranks = run_on_ranks(grid_groups_on_rank, build, world_size, grids,
+                             what="your build_groups")
+        judge_grid_groups(ranks)
+    passed(f"on {GRID_WORLD} and 6 ranks your groups are the rows (tp) and columns "
+           f"(dp) of each of {len(_GRIDS) + 1} grids, and all-reduce over exactly "
+           "those ranks")

@@ -144,13 +144,17 @@ _COLUMN_PARALLEL_FORBIDS = {
 
 @checker(forbids=_COLUMN_PARALLEL_FORBIDS)
 def check_column_parallel(fn: Callable[..., torch.Tensor],
-                          world_sizes: tuple[int, ...] = (2, 4)) -> None:
+                          world_sizes: tuple[int, ...] | None = None,
+                          seed: int | None = None) -> None:
     """Check ``fn(x, weight_shard, bias_shard) -> out_shard``: a column-parallel linear.
 
-    On each of ``world_sizes`` real ranks, ``x`` is the whole input (the same on every
-    rank) and the shards are this rank's rows of one full ``nn.Linear``. The output
-    slice, ``x``'s gradient and the shards' gradients must equal one process's.
+    On each of ``world_sizes`` real ranks (default 2, 4 and one drawn from 3 and 5,
+    where the rows split unevenly), ``x`` is the whole input (the same on every rank)
+    and the shards are this rank's rows of one full ``nn.Linear``. The output slice,
+    ``x``'s gradient and the shards' gradients must equal one process's.
     """
+    if world_sizes is None:
+        world_sizes = (2, 4, random.Random(seed).choice((3, 5)))
     full = _column_reference()
     for n in world_sizes:
         ranks = run_on_ranks(_column_on_rank, fn, n, what="your column-parallel layer")
