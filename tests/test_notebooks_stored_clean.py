@@ -68,3 +68,33 @@ def test_every_cell_has_a_unique_id(path: Path) -> None:
     assert not missing, f"{path.name}: cells {missing} have no id"
     ids = [c["id"] for c in cells]
     assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
+
+
+def _trailing_glue(source: str) -> int:
+    """How many ``glue(...)`` calls end the cell, one after another."""
+    import ast
+
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return 0
+    n = 0
+    for s in reversed(body):
+        if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                and getattr(s.value.func, "id", "") == "glue"):
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_shown_cell_ends_in_a_run_of_glue(path: Path) -> None:
+    """A cell that computes and then glues three values or more keeps its glue in a
+    hidden cell of its own: a page shows the computation, not a list of glue calls."""
+    nb = json.loads(path.read_text())
+    shown = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+             and _trailing_glue("".join(c["source"])) >= 3
+             and not {"remove-input", "remove-cell"} & set(
+                 c.get("metadata", {}).get("tags", []))]
+    assert not shown, f"{path.name}: cells {shown} end in three glue calls or more; " \
+                      "move them to a remove-input cell after it"

@@ -5,7 +5,8 @@ Checks, over every page: no paragraph of pipes (a Markdown table printed as text
 math element typeset (MathJax output present, so its assets were found locally); nothing
 the page loads comes from off-site; no measured quantity printed as inf/nan; no library
 traceback frame in an output; every image has alt text; no figure is shrunk so far that
-its labels fall under 9 pt. A full-page screenshot of each chapter goes to
+its labels fall under 9 pt; no shown code cell only glues values; no code block
+scrolls sideways at 1280 px. A full-page screenshot of each chapter goes to
 `_build/screenshots/` for review, stitched from viewport tiles whose seams are checked
 (each tile overlaps the previous one and must agree with it there; no band repeated
 across a seam).
@@ -71,6 +72,16 @@ COLLECT_JS = r"""
               .trim().slice(0, 12)),
       ...[...main.querySelectorAll("td, th")].map(text)],
     outputs: outputs.map(e => e.textContent),
+    // A shown code cell whose every statement is a glue(...) call: nothing to learn.
+    glue_only: [...main.querySelectorAll(".cell .cell_input")].map(text)
+        .filter(src => {
+          const top = src.split("\n").filter(l => l.trim() && !/^[\s)\]}#]/.test(l));
+          return top.length > 0 && top.every(l => /^glue\(/.test(l));
+        }).map(short),
+    // A code block wider than its column scrolls sideways: the reader loses its end.
+    scrolling_code: [...main.querySelectorAll("pre")]
+        .filter(e => e.scrollWidth > e.clientWidth + 1)
+        .map(e => `${e.scrollWidth} px in ${e.clientWidth} px: ` + short(text(e))),
     // A figure wider than the text column is shrunk to fit: matplotlib's 10 pt labels
     // stay >= 9 pt only if it is shrunk by at most a tenth.
     images_shrunk: [...main.querySelectorAll(".cell_output img")]
@@ -236,6 +247,18 @@ def test_no_library_frame_in_outputs(rendered: dict[str, dict]) -> None:
         if frames:
             found[page] = frames
     assert not found, _report(found, "library traceback lines in outputs")
+
+
+def test_no_shown_cell_is_glue_only(rendered: dict[str, dict]) -> None:
+    """A cell that only glues values is hidden (remove-input): the page shows code
+    that teaches and the outputs that matter."""
+    _check(rendered, "glue_only", "shown code cells that only glue")
+
+
+def test_no_code_block_scrolls_sideways(rendered: dict[str, dict]) -> None:
+    """At the 1280 px a reader's window has, every code block fits its column (long
+    lines wrap): nothing is cut at the right edge."""
+    _check(rendered, "scrolling_code", "code blocks that scroll sideways at 1280 px")
 
 
 def test_every_image_has_alt_text(rendered: dict[str, dict]) -> None:
