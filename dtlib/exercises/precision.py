@@ -271,7 +271,7 @@ def judge_scaler_steps(ranks: list[list[Any]]) -> None:
                 if r[0] == "bad":
                     raise WrongAnswer(f"{where}: return (skip, new_scale, "
                                       f"new_growth_tracker) as numbers: {r[1]}")
-            (skip0, s0, t0, u0, *sync0), (skip1, s1, t1, u1, *_) = r0, r1
+            (skip0, s0, t0, u0, *sync0), (skip1, s1, t1, u1, *sync1) = r0, r1
             if skip0 != skip1 or s0 != s1:
                 raise WrongAnswer(
                     f"{where}: the ranks disagree: rank 0 skip={skip0}, scale={s0:g}; "
@@ -301,13 +301,15 @@ def judge_scaler_steps(ranks: list[list[Any]]) -> None:
             if not (u0 and u1):
                 raise WrongAnswer(f"{where}: the gradients were not unscaled in place "
                                   "(divided by the scale the loss was multiplied by).")
-            if sync0 and len(sync0[0]) > 1:
-                raise WrongAnswer(
-                    f"{where}: rank 0 read tensors on the host {len(sync0[0])} times "
-                    f"in one step ({', '.join(sync0[0])}): on a GPU each one waits "
-                    "for the device.", "the exercise asks for one host "
-                    "synchronisation per step: combine the tensors' checks into one "
-                    "flag on the device, all-reduce it, and read it once")
+            for rank, reads in ((0, sync0), (1, sync1)):
+                if reads and len(reads[0]) > 1:
+                    raise WrongAnswer(
+                        f"{where}: rank {rank} read tensors on the host "
+                        f"{len(reads[0])} times in one step ({', '.join(reads[0])}): "
+                        "on a GPU each one waits for the device.", "the exercise asks "
+                        "for one host synchronisation per step: combine the tensors' "
+                        "checks into one flag on the device, all-reduce it, and read "
+                        "it once")
     passed("both ranks skip together on inf and NaN and update scale and tracker like "
            f"GradScaler, over {len(SCALER_CASES)} sequences")
 

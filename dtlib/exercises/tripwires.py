@@ -69,7 +69,8 @@ def resolve(target: str) -> Callable[..., Any] | None:
         obj = obj.__dict__.get("__init__")
     if not isinstance(obj, types.FunctionType) and isinstance(
             getattr(obj, "__wrapped__", None), types.FunctionType):
-        obj.cache_clear() if hasattr(obj, "cache_clear") else None
+        if hasattr(obj, "cache_clear"):  # a cached answer would skip the tripwire
+            obj.cache_clear()
         obj = obj.__wrapped__
     return obj if isinstance(obj, types.FunctionType) else None
 

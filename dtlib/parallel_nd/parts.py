@@ -26,6 +26,8 @@ Taught in: Chapter 11, "Two dimensions, ours and torch's".
 
 from __future__ import annotations
 
+import abc
+
 import contextlib
 from typing import Any, ContextManager, Iterator, Sequence
 
@@ -63,12 +65,13 @@ class Part:
         return model
 
 
-class TensorPart(Part):
-    """A dimension that splits layers across its ranks, and gathers them back."""
+class TensorPart(Part, abc.ABC):
+    """A dimension that splits layers across its ranks, and gathers them back. An
+    abstract role: each tensor part says how its slices are gathered."""
 
+    @abc.abstractmethod
     def gather(self, module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
         """Full tensors (or gradients) by name, CPU copies, on every rank."""
-        raise NotImplementedError
 
 
 class DataPart(Part):
