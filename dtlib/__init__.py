@@ -29,6 +29,17 @@ if _os.environ.get(STRICT_WARNINGS_ENV) == "1":
     _strict.install()
 
 
+def glued(name: str, fmt: str = "", where: str = "run the cells above") -> Any:
+    """A prose number of a learner copy (:func:`dtlib.exercises.lab.glued`).
+
+    Here so that the copies' ``{eval}`` roles reach it in one expression,
+    ``__import__("dtlib").glued(...)``, which evaluates in any kernel.
+    """
+    from dtlib.exercises.lab import glued as lab_glued  # only when a copy asks
+
+    return lab_glued(name, fmt, where)
+
+
 def load_ipython_extension(ipython: Any) -> None:
     """Register the ``%%torchrun`` and ``%%ranks`` cell magics (``%load_ext dtlib``)."""
     from dtlib.runtime.magic import TorchrunMagics  # IPython: only in a notebook

@@ -4,8 +4,11 @@ teaches, and checkers that judge the property each exercise teaches."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,35 +95,41 @@ def test_strip_twice_keeps_the_learners_edit_and_force_overrides(tmp_path) -> No
 
 
 def test_make_clean_leaves_exercises_alone() -> None:
-    from pathlib import Path
-
     recipe = Path("Makefile").read_text().split("\nclean:")[1].split("\n\n")[0]
     assert "rm -rf _build" in recipe and "exercises" not in recipe
 
 
-def test_every_book_notebook_strips_and_keeps_its_checkers() -> None:
-    from pathlib import Path
+def _learner_copies(counts: bool = False) -> dict[str, Any]:
+    """Every chapter's learner copy, as ``make exercises`` writes it (with the book's
+    bibliography): name -> notebook, or (notebook, solutions removed)."""
+    from dtlib.exercises.references import load
+    from dtlib.exercises.strip import book_bibliography
 
-    for path in sorted(Path("notebooks").glob("*.ipynb")):
-        nb, count = strip_notebook(json.loads(path.read_text()))
+    refs = load(book_bibliography("notebooks"))
+    out = {p.name: strip_notebook(json.loads(p.read_text()), refs)
+           for p in sorted(Path("notebooks").glob("*.ipynb"))}
+    return out if counts else {k: v[0] for k, v in out.items()}
+
+
+def test_every_book_notebook_strips_and_keeps_its_checkers() -> None:
+
+    for name, (nb, count) in _learner_copies(counts=True).items():
         text = json.dumps(nb)
-        assert "### BEGIN SOLUTION" not in text, path.name
+        assert "### BEGIN SOLUTION" not in text, name
         stubs = text.count("raise NotImplementedError") + text.count(" = ...\\n")
-        assert stubs >= count, path.name
+        assert stubs >= count, name
 
 
 def test_no_learner_copy_keeps_a_solution_fence_or_an_empty_box() -> None:
     """A fence left in the next exercise's cell draws an empty exercise bar: every
     fence goes, wherever it stands, and a cell left empty goes with it."""
-    from pathlib import Path
 
-    for path in sorted(Path("notebooks").glob("*.ipynb")):
-        nb, _ = strip_notebook(json.loads(path.read_text()))
+    for name, nb in _learner_copies().items():
         for i, cell in enumerate(nb["cells"]):
             src = "".join(cell["source"])
-            assert "{solution-" not in src, f"{path.name} cell {i}"
+            assert "{solution-" not in src, f"{name} cell {i}"
             assert cell["cell_type"] != "markdown" or src.strip(), \
-                f"{path.name} cell {i} is an empty markdown cell"
+                f"{name} cell {i} is an empty markdown cell"
     # The case that used to slip through: a fence before the next exercise.
     cell = {"cell_type": "markdown", "metadata": {}, "source":
             "```{solution-end}\n```\n\n```{exercise} Next\n:label: ex-2\nText.\n```"}
@@ -513,7 +522,7 @@ def test_pipeline_step_checker(capsys) -> None:
 
 def test_learner_copy_turns_glue_roles_into_eval_of_the_learners_values() -> None:
     from dtlib.exercises import lab
-    from dtlib.exercises.strip import GLUE_SETUP
+    from dtlib.exercises.strip import GLUE_SETUP, glue_expression
 
     nb = {"cells": [
         {"cell_type": "markdown", "metadata": {}, "source": "# Title"},
@@ -528,15 +537,21 @@ def test_learner_copy_turns_glue_roles_into_eval_of_the_learners_values() -> Non
     out, _ = strip_notebook(nb)
     sources = [c["source"] for c in out["cells"]]
     assert sources[1] == GLUE_SETUP  # before the notebook's own glue import
-    assert sources[3] == ('It took {eval}`glued("ch9_x", ".2f")` s on '
-                          '{eval}`glued("ch9_name", "")`.')
+    x = glue_expression("ch9_x", ".2f", "run the cell above")
+    name = glue_expression("ch9_name", "", "run the cells above")  # glued nowhere
+    assert sources[3] == f"It took {{eval}}`{x}` s on {{eval}}`{name}`."
     assert len(sources) == 4  # the empty solution fences are gone
-    # What the kernel evaluates for those roles: the learner's own values.
+    # Saved with the copy: what jupyterlab-myst shows before any cell has run.
+    saved = out["cells"][3]["metadata"]["user_expressions"]
+    assert [(e["expression"], e["result"]["data"]["text/plain"]) for e in saved] == \
+        [(x, "[run the cell above]"), (name, "[run the cells above]")]
+    # What the kernel evaluates for those roles: in a kernel that has run nothing
+    # (no set-up cell: no NameError), the same notes; then the learner's own values.
     lab.GLUED.clear()
-    assert "run the cells above" in repr(lab.glued("ch9_x", ".2f"))
+    assert repr(eval(x, {})) == "[run the cell above]"  # noqa: S307
     exec(GLUE_SETUP, {})  # noqa: S102
     exec(sources[2], {})  # noqa: S102
-    assert repr(lab.glued("ch9_x", ".2f")) == "3.14"
+    assert repr(eval(x, {})) == "3.14"  # noqa: S307
     # Plain text only, so that jupyterlab-myst sets it inline like a word (its
     # Markdown form would be a paragraph inside the sentence); glued Markdown keeps it.
     assert not hasattr(lab.glued("ch9_x", ".2f"), "_repr_markdown_")
@@ -544,6 +559,108 @@ def test_learner_copy_turns_glue_roles_into_eval_of_the_learners_values() -> Non
 
     lab.GLUED["ch9_table"] = Markdown("| a |\n|---|\n| 1 |")
     assert lab.glued("ch9_table")._repr_markdown_().startswith("| a |")
+
+
+def test_a_numbers_note_names_the_cell_that_computes_it() -> None:
+    from dtlib.exercises.strip import where_computed
+
+    md = lambda s: {"cell_type": "markdown", "metadata": {}, "source": s}  # noqa: E731
+    code = lambda s: {"cell_type": "code", "metadata": {}, "source": s}  # noqa: E731
+    cells = [md("# Ch"), md("## The `ring` of $p$ ranks"), code('glue("a", 1)'),
+             md("Uses {glue:text}`a`, {glue:text}`b_3`, {glue:text}`c`."),
+             code('for k in (3, 4):\n    glue(f"b_{k}", k)'), md("## Later"),
+             md("Uses {glue:text}`a` and {glue:text}`c`."), code("glue('c', 2)")]
+    assert where_computed(cells, "a", 3) == "run the cell above"
+    assert where_computed(cells, "b_3", 3) == "run the cell below"  # glued in a loop
+    assert where_computed(cells, "a", 6) == "run “The ring of p ranks”"
+    assert where_computed(cells, "c", 3) == "run “Later”"
+    assert where_computed(cells, "c", 6) == "run the cell below"
+    assert where_computed(cells, "nowhere", 6) == "run the cells above"
+
+
+_EVAL = re.compile(r"\{eval\}`([^`]+)`")
+
+
+def test_every_learner_copy_reads_before_and_after_the_set_up_cell() -> None:
+    """As jupyterlab-myst shows a copy: on opening, each {eval} role reads as its saved
+    result; after running the set-up cell only (or nothing), as what the kernel
+    gives. Either way a short note naming a cell: never code, never an error."""
+    from dtlib.exercises import lab
+    from dtlib.exercises.strip import GLUE_SETUP
+
+    notes = re.compile(r"\[run (the cells? (above|below)|“[^”]+”)\]")
+    roles = 0
+    for name, nb in _learner_copies().items():
+        lab.GLUED.clear()
+        for i, cell in enumerate(nb["cells"]):
+            if cell["cell_type"] != "markdown":
+                continue
+            where = f"{name} cell {i}"
+            exprs = _EVAL.findall(cell["source"])
+            saved = {e["expression"]: e["result"]
+                     for e in cell["metadata"].get("user_expressions", [])}
+            assert set(exprs) == set(saved), where  # each role has its saved result
+            for expr in exprs:
+                roles += 1
+                shown = saved[expr]["data"]["text/plain"]
+                assert saved[expr]["status"] == "ok" and notes.fullmatch(shown), \
+                    (where, shown)
+                assert "glued(" not in shown and "Error" not in shown, where
+                for setup in ((), (GLUE_SETUP,)):
+                    ns: dict = {}
+                    for code in setup:
+                        exec(code, ns)  # noqa: S102
+                    assert repr(eval(expr, ns)) == shown, where  # noqa: S307
+    assert roles > 400  # every chapter's prose numbers were seen
+
+
+def test_every_learner_copy_resolves_its_citations() -> None:
+    """No citation role is left for jupyterlab-myst to draw as "Citation Not Found":
+    each is author and year, linked to an entry of the copy's References cell, and
+    the entry links to the paper."""
+    link = re.compile(r"\]\(#(ref-[^)]+)\)")
+    cited = 0
+    for name, nb in _learner_copies().items():
+        text = "\n".join(c["source"] for c in nb["cells"] if c["cell_type"] == "markdown")
+        assert "{cite" not in text, name
+        targets = set(re.findall(r"^\((ref-[^)]+)\)=$", text, re.M))
+        used = set(link.findall(text))
+        assert used == targets, (name, used ^ targets)
+        cited += len(used)
+        if used:
+            assert nb["cells"][-1]["source"].startswith("## References"), name
+    assert cited > 30
+
+
+def test_citations_read_as_the_book_shows_them() -> None:
+    from dtlib.exercises.references import Reference, readable_citations
+
+    refs = {"a": Reference("a", "Rajbhandari et al.", "2020", "...", ""),
+            "b": Reference("b", "Ren and He", "2021", "...", "")}
+    assert readable_citations("see {cite:p}`a, b`.", refs) == \
+        "see ([Rajbhandari et al., 2020](#ref-a); [Ren and He, 2021](#ref-b))."
+    assert readable_citations("{cite:t}`a` wrote", refs) == \
+        "[Rajbhandari et al. (2020)](#ref-a) wrote"
+    assert readable_citations("{cite}`b`", refs) == "([Ren and He, 2021](#ref-b))"
+    with pytest.raises(ValueError, match="no entry 'c' in the bibliography"):
+        readable_citations("{cite:p}`c`", refs)
+    cell = {"cell_type": "markdown", "metadata": {}, "source": "{cite:p}`a`"}
+    with pytest.raises(ValueError, match="cites 'a': give refs"):
+        strip_notebook({"cells": [cell]})
+
+
+def test_bibliography_entries_name_authors_and_link_the_paper() -> None:
+    from dtlib.exercises.references import load
+    from dtlib.exercises.strip import book_bibliography
+
+    refs = load(book_bibliography("notebooks"))
+    zero = refs["rajbhandari2020zero"]
+    assert (zero.authors, zero.year) == ("Rajbhandari et al.", "2020")
+    assert zero.link == "https://doi.org/10.1109/SC41405.2020.00024"
+    assert refs["goyal2017accurate"].text.startswith("Priya Goyal, Piotr Dollár")
+    assert refs["shoeybi2019megatron"].link == "https://arxiv.org/abs/1909.08053"
+    # Two NVIDIA pages of 2023 read apart, as author-year styles do.
+    assert {refs["nccltests"].year, refs["nvidiah100"].year} == {"2023a", "2023b"}
 
 
 def _global_scale(local_tokens):
@@ -613,7 +730,6 @@ def test_every_untouched_exercise_in_the_learner_copies_says_not_attempted(
     """Run each stripped exercise cell as a learner would, untouched: every one says
     "not attempted yet", none raises, none starts a rank."""
     import linecache
-    from pathlib import Path
 
     from dtlib.runtime import launch
 
@@ -622,8 +738,7 @@ def test_every_untouched_exercise_in_the_learner_copies_says_not_attempted(
 
     monkeypatch.setattr(launch, "spawn", no_launch)
     checked = 0
-    for path in sorted(Path("notebooks").glob("*.ipynb")):
-        nb, count = strip_notebook(json.loads(path.read_text()))
+    for name, nb in _learner_copies().items():
         namespace = {"torch": torch, "dist": dist}
         for k, cell in enumerate(nb["cells"]):
             src = cell["source"]
@@ -632,11 +747,11 @@ def test_every_untouched_exercise_in_the_learner_copies_says_not_attempted(
                 continue
             # What IPython does for a cell: its text in linecache, so that
             # inspect.getsource (and so the stub detection) works.
-            name = f"<{path.stem} cell {k}>"
-            linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-            exec(compile(src, name, "exec"), namespace)  # noqa: S102
+            file = f"<{name[:-6]} cell {k}>"
+            linecache.cache[file] = (len(src), None, src.splitlines(True), file)
+            exec(compile(src, file, "exec"), namespace)  # noqa: S102
             out = capsys.readouterr().out
-            assert "Not attempted yet" in out, (path.name, k, out)
+            assert "Not attempted yet" in out, (name, k, out)
             checked += 1
     assert checked >= 20
 

@@ -4,11 +4,15 @@ The book's prose quotes measured numbers with MyST-NB's glue roles
 (``{glue:text}`name:.2f```), which only the book build fills in. In JupyterLab they
 would show as raw placeholders, so the learner copies (:mod:`dtlib.exercises.strip`)
 turn each into jupyterlab-myst's inline ``{eval}`` role,
-``{eval}`glued("name", ".2f")```. Its value comes from the learner's kernel:
-:func:`record_glue` (the first code cell of every learner copy) makes every later
-``glue(name, value)`` also remember ``value`` here, and :func:`glued` formats it. A
-number is therefore shown only once the cell that computes it has run in this session:
-never a stale number from somebody else's machine.
+``{eval}`__import__("dtlib").glued("name", ".2f", "run the cell above")```. Its value
+comes from the learner's kernel: :func:`record_glue` (the first code cell of every
+learner copy) makes every later ``glue(name, value)`` also remember ``value`` here, and
+:func:`glued` formats it. A number is therefore shown only once the cell that computes
+it has run in this session: never a stale number from somebody else's machine. Until
+then it reads as a short note naming that cell ("[run the cell above]"); the copy
+stores the same note as the role's saved result, so that is what a copy shows when
+opened, before any cell has run. The expression imports what it calls, so it never
+fails with a NameError, even in a kernel that has not run the set-up cell.
 
 Taught in: README, "Working with the notebooks".
 """
@@ -62,14 +66,21 @@ def record_glue() -> None:
     myst_nb.glue = glue
 
 
-def glued(name: str, fmt: str = "") -> Shown:
+def placeholder(where: str) -> Shown:
+    """What a number reads as before the cell that computes it has run."""
+    return Shown(f"[{where}]")
+
+
+def glued(name: str, fmt: str = "", where: str = "run the cells above") -> Shown:
     """The value glued as ``name``, formatted with ``fmt`` (a format spec, e.g. ".2f").
 
+    Args:
+        where: which cell computes it, for the note shown until that cell has run.
     Returns:
-        The text to show; a short note when the computing cell has not run yet.
+        The text to show; :func:`placeholder` when the computing cell has not run yet.
     """
     if name not in GLUED:
-        return Shown(f"[{name}: run the cells above]")
+        return placeholder(where)
     value = GLUED[name]
     if hasattr(value, "_repr_markdown_") and not fmt:
         return ShownMarkdown(value._repr_markdown_())

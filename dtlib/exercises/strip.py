@@ -26,6 +26,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+from dtlib.exercises.lab import placeholder
+from dtlib.exercises.references import Reference, cited, readable_citations, \
+    references_cell
+from dtlib.exercises.references import load as load_references
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -127,41 +133,151 @@ _SOLUTION_FENCE = re.compile(r"```\{solution-(?:start|end)\}[^\n]*\n(?::[^\n]*\n
 GLUE_SETUP = (
     "# Learner copy: the numbers in the prose come from your own run. JupyterLab with\n"
     "# jupyterlab-myst shows each once the cell that computes it has run (make lab).\n"
-    "from dtlib.exercises.lab import glued, record_glue\n\n"
+    "from dtlib.exercises.lab import record_glue\n\n"
     "record_glue()"
 )
 
 
-def readable_markdown(text: str) -> str:
-    """Markdown for JupyterLab: each glue role becomes an ``{eval}`` of :func:`glued`
-    (see :mod:`dtlib.exercises.lab`), whose value the learner's own run supplies."""
-    text = _GLUE_TEXT.sub(lambda m: '{eval}`glued("%s", "%s")`' % (m[1], m[2] or ""),
-                          text)
-    return _GLUE_MD.sub(lambda m: '{eval}`glued("%s")`' % m[1], text)
+def glue_expression(name: str, fmt: str, where: str) -> str:
+    """The ``{eval}`` expression a learner copy's prose shows a glued number with: it
+    imports what it calls (a kernel that has not run the set-up cell evaluates it
+    too) and names, for its note until then, the cell that computes the number."""
+    args = ", ".join(json.dumps(a, ensure_ascii=False) for a in (name, fmt, where))
+    return f'__import__("dtlib").glued({args})'
 
 
-def strip_notebook(nb: dict) -> tuple[dict, int]:
+_GLUE_CALL = re.compile(r"""\bglue\(\s*(f?)["']([^"'{]*)""")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return src if isinstance(src, str) else "".join(src)
+
+
+def _heading(cells: list[dict], before: int) -> str | None:
+    """The last Markdown heading in ``cells[:before]``, as plain text."""
+    for cell in reversed(cells[:before]):
+        if cell.get("cell_type") == "markdown":
+            found = _HEADING.findall(_source(cell))
+            if found:
+                # Plain text: no code ticks, emphasis, roles, link targets or math.
+                text = re.sub(r"[`*_$]|\\[a-z]+|\{[^}]*\}|\[|\]\([^)]*\)", "",
+                              found[-1])
+                text = re.sub(r"\s+", " ", text).strip()
+                return text if len(text) <= 48 else text[:47].rstrip() + "…"
+    return None
+
+
+def where_computed(cells: list[dict], name: str, at: int) -> str:
+    """Which cell computes glued ``name``, as seen from cell ``at``: "run the cell
+    above", "run the cell below" (same section) or 'run “Heading”'.
+
+    A cell computes it if it calls ``glue("name", ...)``, or
+    ``glue(f"prefix{...}", ...)`` with the longest prefix of ``name`` (a loop's values).
+    """
+    best, best_len = None, -1
+    for i, cell in enumerate(cells):
+        if cell.get("cell_type") != "code":
+            continue
+        for m in _GLUE_CALL.finditer(_source(cell)):
+            f, text = m[1], m[2]
+            exact = not f and text == name
+            if exact or (f and name.startswith(text) and len(text) > best_len):
+                best, best_len = i, (len(name) + 1 if exact else len(text))
+    if best is None:
+        return "run the cells above"
+    lo, hi = sorted((best, at))
+    between = any(c.get("cell_type") == "markdown" and _HEADING.search(_source(c))
+                  for c in cells[lo + 1:hi + 1])
+    if not between:
+        return "run the cell above" if best < at else "run the cell below"
+    heading = _heading(cells, best + 1)
+    return f"run “{heading}”" if heading else "run the cells above"
+
+
+def readable_markdown(text: str, where: Callable[[str], str] | None = None
+                      ) -> tuple[str, list[str]]:
+    """Markdown for JupyterLab: each glue role becomes an ``{eval}`` of
+    :func:`dtlib.glued` (see :mod:`dtlib.exercises.lab`), whose value the learner's
+    own run supplies.
+
+    Args:
+        where: glued name -> the note shown until its cell has run (default "run the
+            cells above").
+    Returns:
+        The new text, and the ``(expression, note)`` of each ``{eval}`` role in it.
+    """
+    found: list[tuple[str, str]] = []
+
+    def role(name: str, fmt: str) -> str:
+        note = where(name) if where else "run the cells above"
+        expr = glue_expression(name, fmt, note)
+        found.append((expr, note))
+        return "{eval}`%s`" % expr
+
+    text = _GLUE_TEXT.sub(lambda m: role(m[1], m[2] or ""), text)
+    return _GLUE_MD.sub(lambda m: role(m[1], ""), text), found
+
+
+def saved_results(found: list[tuple[str, str]]) -> list[dict]:
+    """jupyterlab-myst's saved results of a cell's ``{eval}`` roles (its
+    ``user_expressions`` metadata), which a copy shows before any cell has run: each
+    role's note, as the kernel would give it."""
+    return [{"expression": expr,
+             "result": {"status": "ok", "metadata": {},
+                        "data": {"text/plain": repr(placeholder(note))}}}
+            for expr, note in found]
+
+
+def strip_notebook(nb: dict, refs: dict[str, Reference] | None = None
+                   ) -> tuple[dict, int]:
     """Strip every code cell of ``nb`` (a notebook as JSON); return it and the count.
 
     Markdown becomes readable in JupyterLab (:func:`readable_markdown`; the book's
     solution fences, empty once the solution is gone, are dropped wherever they stand,
-    and a cell left with nothing else goes too).
+    and a cell left with nothing else goes too); citations are written out and linked
+    to a References cell at the end (:mod:`dtlib.exercises.references`).
+
+    Args:
+        refs: the bibliography (:func:`dtlib.exercises.references.load`); needed when
+            the notebook cites.
+    Raises:
+        ValueError: the notebook cites and ``refs`` is None, or cites a missing key.
     """
     count = 0
     glue_used = False
     cells = []
-    for cell in nb.get("cells", []):
-        src = (cell["source"] if isinstance(cell["source"], str)
-               else "".join(cell["source"]))
+    source_cells = list(nb.get("cells", []))
+    keys: list[str] = []
+    for at, cell in enumerate(source_cells):
+        src = _source(cell)
         if cell.get("cell_type") == "markdown":
             if _SOLUTION_FENCE.search(src):
                 src = _SOLUTION_FENCE.sub("", src).strip("\n")
                 if not src.strip():
                     continue
-            new = readable_markdown(src)
-            glue_used |= new != src
+            new, found = readable_markdown(
+                src, lambda name: where_computed(source_cells, name, at))
+            glue_used |= bool(found)
+            if cited(new):
+                if refs is None:
+                    raise ValueError(f"cell {at} cites {cited(new)[0]!r}: give refs "
+                                     "(the book's bibliography) to write it out")
+                keys += [k for k in cited(new) if k not in keys]
+                new = readable_citations(new, refs)
             cell["source"] = new
+            metadata = cell.setdefault("metadata", {})
+            if found:
+                metadata["user_expressions"] = saved_results(found)
+            else:
+                metadata.pop("user_expressions", None)
         cells.append(cell)
+    if keys:
+        cells.append({"cell_type": "markdown", "metadata": {},
+                      "source": references_cell(keys, refs)})
+        if any("id" in c for c in cells[:-1]):
+            cells[-1]["id"] = "learner-references"
     nb["cells"] = cells
     if glue_used:
         setup = {"cell_type": "code", "execution_count": None, "metadata": {},
@@ -174,8 +290,7 @@ def strip_notebook(nb: dict) -> tuple[dict, int]:
     for cell in nb.get("cells", []):
         if cell.get("cell_type") != "code":
             continue
-        src = (cell["source"] if isinstance(cell["source"], str)
-               else "".join(cell["source"]))
+        src = _source(cell)
         if BEGIN in src:
             count += src.count(BEGIN)
             cell["source"] = strip_source(src)
@@ -200,14 +315,31 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def book_bibliography(src: str | os.PathLike) -> list[Path]:
+    """The bibliography files of the book whose notebooks are in ``src``: the
+    ``bibtex_bibfiles`` of the ``_config.yml`` in ``src`` or the folder above it
+    (none found: an empty list)."""
+    import yaml  # the book's stack (Jupyter Book) has it
+
+    for folder in (Path(src), Path(src).resolve().parent):
+        config = folder / "_config.yml"
+        if config.is_file():
+            settings = yaml.safe_load(config.read_text()) or {}
+            return [folder / f for f in settings.get("bibtex_bibfiles", [])]
+    return []
+
+
 def strip_tree(src: str | os.PathLike, dst: str | os.PathLike,
-               force: bool = False) -> dict[str, Written]:
+               force: bool = False,
+               bibfiles: list[str | os.PathLike] | None = None) -> dict[str, Written]:
     """Strip every notebook in ``src`` into ``dst`` without losing a learner's work.
 
     Args:
         src: folder of the book's notebooks (with solutions).
         dst: folder of the learner copies.
         force: overwrite learner copies that were edited since they were written.
+        bibfiles: BibTeX files for the citations (default: the book's, found by
+            :func:`book_bibliography`).
     Returns:
         file name -> :class:`Written` (solutions removed, and whether the file was
         kept).
@@ -223,9 +355,14 @@ def strip_tree(src: str | os.PathLike, dst: str | os.PathLike,
     except (OSError, ValueError):
         record = {}
     report = {}
+    files = book_bibliography(src) if bibfiles is None else bibfiles
+    refs = load_references(files) if files else None
     for path in sorted(src.glob("*.ipynb")):
         with open(path) as f:
-            nb, n = strip_notebook(json.load(f))
+            try:
+                nb, n = strip_notebook(json.load(f), refs)
+            except ValueError as exc:
+                raise ValueError(f"{path.name}: {exc}") from None
         data = (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
         target = dst / path.name
         if target.exists() and not force:
