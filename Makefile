@@ -40,8 +40,9 @@ test: venv
 ## The built book as a reader sees it: every page in headless Chromium, offline
 ## (tables, typeset math, no CDN asset, no inf/nan, no library frames, alt text), no
 ## file-access flag; Chapters 1 and 11's live calculators checked against dtlib;
-## screenshots of each chapter go to _build/screenshots/. Needs `make book` first.
-check-book: venv
+## screenshots of each chapter go to _build/screenshots/; a learner copy opened in
+## JupyterLab (the lab extra) against a server on 127.0.0.1. Needs `make book` first.
+check-book: $(BIN)/.lab-installed
 	DTLIB_REQUIRE_BOOK=1 $(BIN)/python -m pytest -v tests/rendered
 
 ## Learner notebooks: every solution replaced by `raise NotImplementedError`.

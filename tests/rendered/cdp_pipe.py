@@ -178,8 +178,13 @@ class Browser:
         width, height: viewport in CSS pixels (the page width a reader sees).
     """
 
-    def __init__(self, binary: str, width: int = 1280, height: int = 900) -> None:
+    def __init__(self, binary: str, width: int = 1280, height: int = 900,
+                 loopback: bool = False) -> None:
         self.width, self.height = width, height
+        flags = list(FLAGS)
+        if loopback:  # a local server (JupyterLab on 127.0.0.1); still no other host
+            flags = [f + ", EXCLUDE 127.0.0.1" if f.startswith("--host-resolver-rules")
+                     else f for f in flags]
         self._profile = tempfile.mkdtemp(prefix="chromium-profile-")
         to_chrome_r, self._to_chrome = os.pipe()
         self._from_chrome, from_chrome_w = os.pipe()
@@ -193,7 +198,7 @@ class Browser:
             os.dup2(w, 4)
 
         self.proc = subprocess.Popen(
-            [binary, *FLAGS, f"--user-data-dir={self._profile}",
+            [binary, *flags, f"--user-data-dir={self._profile}",
              f"--window-size={width},{height}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, preexec_fn=wire_fds, pass_fds=(3, 4))
@@ -315,9 +320,9 @@ class Browser:
         self.capture(timeout=timeout)
 
     @classmethod
-    def warm(cls, binary: str) -> "Browser":
+    def warm(cls, binary: str, loopback: bool = False) -> "Browser":
         """A started browser, already :meth:`warm_up`-ed (closed again if that fails)."""
-        browser = cls(binary)
+        browser = cls(binary, loopback=loopback)
         try:
             browser.warm_up()
         except BaseException:
