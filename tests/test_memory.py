@@ -318,3 +318,29 @@ def test_planner_builds_headless():
     assert bytes(image.value) != first and bytes(image.value).startswith(b"\x89PNG")
     with pytest.raises(ValueError, match="name"):
         preset_config("GPT-5")
+
+
+@pytest.mark.parametrize("preset,stage,device_gb", [
+    ("GPT-3 6.7B", 3, 24.0), ("GPT-3 175B", 0, 80.0), ("Llama-2 13B (approx.)", 2, 40.0)])
+def test_planner_chart_draws_no_label_over_a_bar(preset, stage, device_gb) -> None:
+    """The device line's name sits in the legend, right of the axes, whatever the bars'
+    heights (a label drawn at the line overlapped a ZeRO-3 bar taller than it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dtlib.chapters.ch01_memory.figures import plot_memory, preset_config
+
+    fig = plot_memory(preset_config(preset, zero_stage=stage), device_gb=device_gb)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    axes_box = ax.get_window_extent(renderer)
+    bars = [p.get_window_extent(renderer) for p in ax.patches]
+    texts = [t for t in ax.texts if t.get_text().strip()]
+    assert not any(t.get_window_extent(renderer).overlaps(b) for t in texts for b in bars)
+    legend = ax.get_legend()
+    assert f"{device_gb:g} GB device" in [t.get_text() for t in legend.get_texts()]
+    assert legend.get_window_extent(renderer).x0 >= axes_box.x1
+    plt.close(fig)

@@ -98,15 +98,17 @@ def plot_memory(cfg: TrainingConfig, device_gb: float = 80.0, ax=None,
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.bar([cfg.zero_stage], [bottom[cfg.zero_stage]], width=0.6, fill=False,
            edgecolor="black", linewidth=2)
-    ax.axhline(device_gb, color="black", linestyle="--", linewidth=1)
-    ax.text(3.45, device_gb, f" {device_gb:g} GB device", va="bottom", ha="right")
+    # The device line is named in the legend, and the legend stands right of the
+    # axes: a label drawn at the line overlapped a bar taller than the device.
+    ax.axhline(device_gb, color="black", linestyle="--", linewidth=1,
+               label=f"{device_gb:g} GB device")
     ax.set_xticks(list(stages), [f"ZeRO-{s}" if s else "DP (stage 0)" for s in stages])
     ax.set_ylabel("memory per device (GB)")
     ax.set_xlabel(f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp}, micro_batch="
                   f"{cfg.micro_batch}, s={cfg.seq_len}, recompute={cfg.recompute}, "
                   f"{cfg.attention} attention, {cfg.precision}")
     ax.set_ylim(0, max(max(bottom), device_gb) * 1.15)
-    ax.legend(loc="upper right", fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     if title is None:
         fit = [s for s, e in zip(stages, ests) if e.fits(device_gb)]
         title = (f"{cfg.params / 1e9:.1f}B params: fits {device_gb:g} GB from ZeRO-"
