@@ -1,6 +1,7 @@
 """DeepSpeed, run: ``deepspeed.initialize`` at ZeRO-1/2/3 on 2 CPU ranks (gloo) trains
 the tiny Hugging Face Llama equal to one process, to the book's ZeRO and to FSDP2:
-losses, parameters and per-rank model-state bytes.
+losses, parameters and per-rank model-state bytes; and ZeRO-3 with the optimizer
+offloaded holds the host bytes DeepSpeed's stage 3 allocates for it.
 
 One launch runs all seven trainings (DeepSpeed 1-3, ours 1-3, FSDP2), with SGD and
 momentum (a trajectory proof; the page runs AdamW); the single-process reference runs
@@ -17,8 +18,9 @@ pytest.importorskip("transformers", reason="needs the .[hf] extra (transformers)
 pytest.importorskip("deepspeed", reason="needs the .[deepspeed] extra")
 
 from dtlib.chapters.ch04_zero_fsdp.deepspeed_runs import (  # noqa: E402
-    compare_rank, reference_run, train_rank)
+    compare_rank, offload_rank, reference_run, train_rank)
 from dtlib.runtime import launch  # noqa: E402
+from dtlib.zero.deepspeed_engine import offload_host_bytes  # noqa: E402
 
 WORLD = 2
 #: SGD with momentum 0.9 (weight decay 0.1, clip 1.0), whose step is smooth in the
@@ -40,6 +42,11 @@ LOSS_TOL = dict(rtol=0, atol=3e-5)
 @pytest.fixture(scope="module")
 def runs():
     return launch.spawn(compare_rank, WORLD, stream=False, timeout=500, **OPT)
+
+
+@pytest.fixture(scope="module")
+def offload():
+    return launch.spawn(offload_rank, WORLD, stream=False, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +114,37 @@ def test_bad_variant_and_stage_are_named():
         train_rank("megatron")
     with pytest.raises(ValueError, match="stage=2 not allowed for fsdp2"):
         train_rank("fsdp2", 2)
+
+
+#: Host bytes per partition element of ZeRO-3 + offload_optimizer in bf16, tensor by
+#: tensor as DeepSpeed 0.19's stage3.py allocates them on the offload device: the fp32
+#: master partition (_create_fp32_partitions), AdamW's exp_avg and exp_avg_sq of it,
+#: the master's fp32 .grad (initialize_optimizer_states, kept between steps when
+#: offloading) and grad_partitions_flat_buffer in the gradient-accumulation dtype,
+#: the model's bf16 by default. The ZeRO-Offload paper counts 12 + 2 of these 18.
+OFFLOAD_BYTES = {"master": 4, "optimizer": 4 + 4, "fp32_grads": 4, "grad_buffer": 2}
+
+
+@pytest.mark.timeout(400)  # the fixture's launch runs inside the test
+def test_offloaded_optimizer_holds_what_stage3_allocates(offload):
+    for rank in offload:
+        psi, n, tensors = rank["n_params"], rank["world_size"], rank["n_tensors"]
+        assert n == WORLD and rank["losses"][0] == rank["losses"][0]  # it ran, no NaN
+        # DeepSpeed partitions each parameter tensor on its own, ceil(numel / N)
+        # elements a rank: between Psi / N and (Psi + tensors (N - 1)) / N in all
+        lo, hi = psi / n, (psi + tensors * (n - 1)) / n
+        for role, per_element in OFFLOAD_BYTES.items():
+            assert per_element * lo <= rank["host"][role] <= per_element * hi, role
+        per_param = rank["host"]["total"] / psi
+        total = sum(OFFLOAD_BYTES.values())
+        assert total * lo / psi <= per_param <= total * hi / psi, per_param
+        assert rank["host"]["total"] == sum(rank["host"][r] for r in OFFLOAD_BYTES)
+
+
+def test_offload_host_bytes_refuses_an_engine_without_offload():
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 3,
+                             optimizer=SimpleNamespace(offload_optimizer=False))
+    with pytest.raises(ValueError, match="stage 3 without offload_optimizer"):
+        offload_host_bytes(engine)

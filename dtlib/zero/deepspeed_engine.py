@@ -6,7 +6,8 @@ optimizer's step is ``engine.step()`` (:class:`EngineStep`), and ``full_state``
 gathers ZeRO-3's partitions (:func:`full_engine_state`). The engine accumulates
 gradients by its config's ``gradient_accumulation_steps``, so Chapter 8's
 accumulation is refused here, naming both. :func:`deepspeed_state_bytes` counts
-the model states a rank holds, by role.
+the model states a rank holds, by role; with the optimizer offloaded (ZeRO-3),
+:func:`offload_host_bytes` counts what DeepSpeed keeps for it in host memory.
 
 DeepSpeed on CPU: it picks its CPU accelerator and gloo by itself; we hand it a torch
 optimizer (``zero_allow_untested_optimizer``) instead of its ``FusedAdam``, and tell
@@ -30,25 +31,36 @@ from dtlib.models.run import Batch, Parallelism
 from dtlib.zero.shards import storage_bytes
 
 __all__ = ["DeepSpeedParallelism", "EngineStep", "deepspeed_ds_config",
-           "deepspeed_state_bytes", "initialize_engine", "full_engine_state"]
+           "deepspeed_state_bytes", "offload_host_bytes", "initialize_engine",
+           "full_engine_state"]
 
 #: Gradient clipping of the runs (the config's ``gradient_clipping``).
 CLIP = 1.0
 
 
-def deepspeed_ds_config(stage: int, micro_batch: int, clip: float = CLIP
+def deepspeed_ds_config(stage: int, micro_batch: int, clip: float = CLIP,
+                        offload_optimizer: bool = False, bf16: bool = False
                         ) -> dict[str, Any]:
-    """The DeepSpeed config of these runs: fp32, ZeRO ``stage``, clipping the
-    gradient norm to ``clip``, a torch optimizer.
+    """The DeepSpeed config of these runs: fp32 (or ``bf16``), ZeRO ``stage``,
+    clipping the gradient norm to ``clip``, a torch optimizer; with
+    ``offload_optimizer``, the optimizer's partitions in host memory, stepped there
+    by that torch optimizer (DeepSpeed would ask for its compiled ``DeepSpeedCPUAdam``).
 
     Taught in: Chapter 4, "DeepSpeed, run".
     """
-    return {"train_micro_batch_size_per_gpu": micro_batch,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage},
-            "zero_allow_untested_optimizer": True,  # a torch optimizer, not FusedAdam
-            "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
+    zero: dict[str, Any] = {"stage": stage}
+    cfg = {"train_micro_batch_size_per_gpu": micro_batch,
+           "gradient_accumulation_steps": 1,
+           "gradient_clipping": clip,
+           "zero_optimization": zero,
+           "zero_allow_untested_optimizer": True,  # a torch optimizer, not FusedAdam
+           "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # the torch optimizer, on the host
+    if bf16:
+        cfg["bf16"] = {"enabled": True}  # bf16 parameters and gradients, fp32 master
+    return cfg
 
 
 def _tensors(obj: Any, depth: int = 2) -> Iterable[torch.Tensor]:
@@ -87,6 +99,43 @@ def deepspeed_state_bytes(engine: Any, grads: Iterable[torch.Tensor]
             "optimizer": o, "total": p + master_bytes + g + o}
 
 
+def offload_host_bytes(engine: Any) -> dict[str, int]:
+    """Host bytes DeepSpeed's ZeRO-3 holds for an offloaded optimizer on this rank,
+    by tensor (unique storages; after a step, once the moments exist).
+
+    master: the fp32 partition the optimizer updates; optimizer: AdamW's ``exp_avg``
+    and ``exp_avg_sq`` of it; fp32_grads: its ``.grad``, the gradient partition in
+    fp32 that the optimizer reads; grad_buffer: the gradient partitions in the
+    gradient-accumulation dtype (the model's), where reduce-scatters accumulate;
+    total: their sum. The 16-bit parameter partitions and the reduce bucket stay on
+    the accelerator, and are not counted.
+
+    Raises:
+        ValueError: the engine is not ZeRO-3 with ``offload_optimizer``.
+        RuntimeError: one of these tensors is not on the host.
+
+    Taught in: Chapter 4, "DeepSpeed, run".
+    """
+    zero = engine.optimizer
+    if engine.zero_optimization_stage() != 3 or not getattr(
+            zero, "offload_optimizer", False):
+        raise ValueError(f"stage {engine.zero_optimization_stage()} without "
+                         "offload_optimizer; allowed: ZeRO-3 with offload_optimizer")
+    masters = list(zero.fp32_partitioned_groups_flat)
+    roles = {"master": masters,
+             "optimizer": [v for st in zero.optimizer.state.values()
+                           for k, v in st.items() if k != "step"],
+             "fp32_grads": [m.grad for m in masters],
+             "grad_buffer": [zero.grad_partitions_flat_buffer]}
+    elsewhere = [r for r, ts in roles.items() for t in ts
+                 if t is not None and t.device.type != "cpu"]
+    if elsewhere:
+        raise RuntimeError(f"offloaded tensors off the host: {sorted(set(elsewhere))}")
+    seen: set[int] = set()
+    out = {role: storage_bytes(ts, seen) for role, ts in roles.items()}
+    return {**out, "total": sum(out.values())}
+
+
 def _deepspeed_grads(engine: Any) -> list[torch.Tensor]:
     """Gradient buffers a DeepSpeed rank holds between backward and step."""
     out = [p.grad for p in engine.module.parameters() if p.grad is not None]
@@ -104,9 +153,10 @@ def _cpu_accelerator_unless_cuda() -> None:
 
 
 def initialize_engine(model: nn.Module, stage: int, micro_batch: int,
-                      optimizer: torch.optim.Optimizer) -> Any:
+                      optimizer: torch.optim.Optimizer, **config: bool) -> Any:
     """``deepspeed.initialize`` of ``model`` at ZeRO ``stage`` with a torch
-    ``optimizer``, no compiled op (the group torch.distributed already has).
+    ``optimizer``, no compiled op (the group torch.distributed already has);
+    ``config``: ``offload_optimizer``, ``bf16`` (:func:`deepspeed_ds_config`).
 
     Taught in: Chapter 4, "DeepSpeed, run".
     """
@@ -118,7 +168,8 @@ def initialize_engine(model: nn.Module, stage: int, micro_batch: int,
     # (minutes on a laptop) before the first step; without it, torch.distributed.
     deepspeed.ops.__compatible_ops__ = {}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=deepspeed_ds_config(stage, micro_batch),
+                                      config=deepspeed_ds_config(stage, micro_batch,
+                                                                 **config),
                                       dist_init_required=False)
     return engine
 
@@ -163,20 +214,22 @@ class DeepSpeedParallelism(Parallelism):
         stage: ZeRO stage 1-3 (the config's ``zero_optimization.stage``).
         micro_batch: rows per rank (the config's micro-batch).
         optimizer_class, optimizer_kwargs: the torch optimizer handed to DeepSpeed.
+        config: ``offload_optimizer``, ``bf16`` (:func:`deepspeed_ds_config`).
 
     Taught in: Chapter 4, "DeepSpeed, run".
     """
 
     def __init__(self, stage: int, micro_batch: int, optimizer_class: type,
-                 optimizer_kwargs: dict[str, Any]) -> None:
-        self.stage, self.micro_batch = stage, micro_batch
+                 optimizer_kwargs: dict[str, Any], **config: bool) -> None:
+        self.stage, self.micro_batch, self.config = stage, micro_batch, config
         self.optimizer_class, self.optimizer_kwargs = optimizer_class, optimizer_kwargs
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
         self.name = f"deepspeed-{stage}"
 
     def apply(self, model: nn.Module) -> Any:
         opt = self.optimizer_class(model.parameters(), **self.optimizer_kwargs)
-        return initialize_engine(model, self.stage, self.micro_batch, opt)
+        return initialize_engine(model, self.stage, self.micro_batch, opt,
+                                 **self.config)
 
     def make_optimizer(self, wrapped: Any, optimizer_class: type,
                        **kwargs: Any) -> Any:

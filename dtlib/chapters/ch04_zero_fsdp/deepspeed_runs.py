@@ -8,7 +8,8 @@ same stages, and FSDP2, all through :func:`dtlib.models.run.run_steps` (the engi
 as a Parallelism: :mod:`dtlib.zero.deepspeed_engine`). Each returns the
 global mean loss of every step, the full parameters at the end and the model-state
 bytes this rank holds, so the page (and the tests) can put them side by side and
-against one process.
+against one process. :func:`offload_rank` trains once more at ZeRO-3 in bf16 with the
+optimizer offloaded and counts the host memory DeepSpeed holds for it.
 
 Taught in: Chapter 4, "DeepSpeed, run".
 """
@@ -24,11 +25,13 @@ import torch.nn.functional as F
 
 from dtlib.chapters.ch04_zero_fsdp.runs import optimizer_of
 from dtlib.models import hf
-from dtlib.models.run import Parallelism, RunConfig, TrainState, run_steps
+from dtlib.models.run import (AfterOptimizerStep, Parallelism, RunConfig, TrainState,
+                              run_steps)
 from dtlib.zero import StateAfterStep, parallelism
-from dtlib.zero.deepspeed_engine import CLIP, DeepSpeedParallelism
+from dtlib.zero.deepspeed_engine import CLIP, DeepSpeedParallelism, offload_host_bytes
 
-__all__ = ["TINY_LLAMA", "VARIANTS", "train_rank", "compare_rank", "reference_run"]
+__all__ = ["TINY_LLAMA", "VARIANTS", "train_rank", "compare_rank", "reference_run",
+           "offload_rank"]
 
 #: vocab 128, hidden 64, 2 decoder layers, 4 heads: 98,624 parameters.
 TINY_LLAMA = dict(vocab_size=128, hidden=64, n_layers=2, n_heads=4, seq_len=16)
@@ -133,3 +136,35 @@ def compare_rank(stages: tuple[int, ...] = (1, 2, 3), steps: int = 3,
             r["params"] = {}
         out[f"{variant}{stage}" if variant != "fsdp2" else "fsdp2"] = r
     return out
+
+
+def offload_rank(steps: int = 1, batch_per_rank: int = 2, seed: int = 0
+                 ) -> dict[str, Any]:
+    """On every rank: DeepSpeed ZeRO-3 in bf16 with ``offload_optimizer`` trains the
+    tiny Llama (AdamW); the host bytes its optimizer holds after the last step.
+
+    Returns:
+        ``{"host" (:func:`offload_host_bytes`, by tensor), "losses", "n_params",
+        "n_tensors" (parameter tensors, each partitioned on its own),
+        "world_size"}``.
+
+    Taught in: Chapter 4, "DeepSpeed, run".
+    """
+    model = _model(seed)
+    n_params, n_tensors = hf.n_params(model), len(list(model.parameters()))
+    batch = _global_batch(dist.get_world_size() * batch_per_rank, seed)
+    cls, kwargs = optimizer_of("adamw", HYPER["lr"])
+    kwargs["weight_decay"] = HYPER["weight_decay"]
+    par = DeepSpeedParallelism(3, batch_per_rank, cls, kwargs, offload_optimizer=True,
+                               bf16=True)
+    host: dict[str, int] = {}
+
+    def measure(step: int, engine: Any, optimizer: Any) -> None:
+        if step == steps:  # the moments exist once the optimizer has stepped
+            host.update(offload_host_bytes(engine))
+
+    config = RunConfig(steps, loss_fn=_loss, record_grads=False, record_params=False)
+    run = run_steps(par, model, lambda step: batch, config, TrainState(),
+                    [AfterOptimizerStep(measure)])
+    return {"host": host, "losses": run.losses, "n_params": n_params,
+            "n_tensors": n_tensors, "world_size": dist.get_world_size()}
