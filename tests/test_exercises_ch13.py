@@ -115,6 +115,50 @@ def test_predict_step_accepts_the_model_and_reports_the_measured_ratio() -> None
     assert ratio == pytest.approx(step["step_time_s"] / want, rel=1e-12)
 
 
+def _probe(slow: float) -> dict:
+    """A probe of a machine ``slow`` times slower than MEASURED says (the GPT's pass
+    of 1e9 FLOPs, which MEASURED's rate runs in 0.05 s)."""
+    return {"flops": 1e9, "alone_s": 0.05 * slow, "all_s": 0.05 * slow / 0.95,
+            "optimizer_s_per_param": 4e-8 * slow, "copy_s_per_byte": 2e-10 * slow}
+
+
+def test_predict_step_prices_each_step_at_the_probes_beside_it() -> None:
+    """The machine slowed down between its measurement and the steps (a busy
+    machine): the inputs are those probed around the steps, and the ratio is the
+    median of each step over the model at the probes just before and after it."""
+    import dataclasses
+    import statistics
+
+    from dtlib.chapters.ch13_time.runs import TIME_GPT, machine_from, workload_of
+    from dtlib.planner.drift import machine_at
+    from dtlib.planner.step_time import predict
+
+    probes = [_probe(3.0), _probe(3.0), _probe(2.0), _probe(4.0)]
+    step = {**MEASURED["step"], "step_time_s": 1.5, "step_times_s": [1.4, 1.5, 1.6],
+            "probes": probes}
+    measured = {**MEASURED, "step": step}
+    seen = []
+
+    def right(inp):
+        seen.append(inp)
+        return _two_queues(inp)
+
+    ratio = st.judge_predict_step(right, measured, cores=2)
+    assert seen[0]["flops_per_s"] == pytest.approx(1e9 / 0.05 / 3.0)  # probed, not 2e10
+    assert seen[0]["shared"] == pytest.approx(0.95)
+    raw = machine_from([MEASURED["machine"]], cores=2)
+    w = dataclasses.replace(workload_of(TIME_GPT, step), control_collectives=False)
+    want = statistics.median(
+        t / predict("ddp/overlapped", w, machine_at(raw, probes[i:i + 2], 2), 2).total_s
+        for i, t in enumerate(step["step_times_s"]))
+    assert ratio == pytest.approx(want, rel=1e-9)
+    # priced at the rate measured once, at the start (three times the steps' rate),
+    # the same steps read far slower than predicted: what a busy machine printed
+    once = st.judge_predict_step(_right, {**measured, "step": {
+        k: v for k, v in step.items() if k != "probes"}}, cores=2)
+    assert once > 1.5 * ratio
+
+
 @pytest.mark.parametrize("wrong, says", [(_never_overlaps, "adds every bucket"),
                                          (_always_overlaps, "nothing hides"),
                                          (_rule_not_measured, "measured share")])

@@ -98,29 +98,57 @@ PREDICT_WORLD = 2
 
 
 def measure_on_rank() -> dict:
-    """On every rank: the machine's inputs and one overlapped-DDP step, measured
-    (Chapter 13's page code, fewer sizes and steps)."""
+    """On every rank: the machine's inputs and overlapped-DDP steps, measured
+    (Chapter 13's page code, fewer sizes and steps), with what drifts probed beside
+    each step as the page does: on a busy machine the rate measured at the start is
+    not the rate a few seconds later, when the steps run."""
     # loads torch on first use: this module imports without it
     from dtlib.planner.measure import measure_machine
     from dtlib.planner.timing import TIME_GPT, time_strategies
 
     return {"machine": measure_machine(sizes=(2**12, 2**16, 2**20, 2**22),
                                        repeats=3, cfg=TIME_GPT),
-            "step": time_strategies(("ddp/overlapped",), steps=2)[0]}
+            "step": time_strategies(("ddp/overlapped",), steps=3, probe=True)[0]}
+
+
+def _probed(machine: Machine, step: dict, around: slice | None = None) -> Machine:
+    """``machine`` at the inputs probed around the timed steps (``around``: the
+    probes of one step; default all), or as measured when the step has no probes."""
+    # loads torch on first use: this module imports without it
+    from dtlib.planner.drift import machine_at
+
+    probes = step.get("probes")
+    if not probes:
+        return machine
+    return machine_at(machine, probes[around or slice(None)], step["world_size"])
+
+
+def _ring(fitted: Machine, n: int) -> tuple[float, float]:
+    """The ring all-reduce's alpha and beta on ``n`` ranks of ``fitted``."""
+    return fitted.fits.get(("all_reduce", n), (fitted.alpha_s, fitted.beta_s_per_byte))
+
+
+def _exercise_machine(fitted: Machine, n: int, ranks: int, cores: int | None,
+                      share: float | None) -> Machine:
+    """The exercise's machine of one case (``ranks`` busy, ``share`` measured or
+    None), from ``fitted`` measured on ``n`` ranks."""
+    alpha, beta = _ring(fitted, n)
+    return Machine("exercise", fitted.flops_per_s, alpha, beta,
+                   fitted.optimizer_s_per_param, cores=cores,
+                   shared={} if share is None else {ranks: share})
 
 
 def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
-    """(inputs the learner sees, workload, machine) for the measured machine, its
-    four-rank variant, the same numbers with communication on its own engine, and
-    with four cores per rank."""
+    """(inputs the learner sees, workload, machine) for the measured machine (at the
+    inputs probed around its timed steps), its four-rank variant, the same numbers
+    with communication on its own engine, and with four cores per rank."""
     # loads torch on first use: this module imports without it
     from dtlib.planner.measure import machine_from
     from dtlib.planner.timing import TIME_GPT, workload_of
 
     n = measured["step"]["world_size"]
-    fitted = machine_from([measured["machine"]], cores)
-    alpha, beta = fitted.fits.get(("all_reduce", n),
-                                  (fitted.alpha_s, fitted.beta_s_per_byte))
+    fitted = _probed(machine_from([measured["machine"]], cores), measured["step"])
+    alpha, beta = _ring(fitted, n)
     # the exercise's inputs are the gradient buckets: the loop's own loss all-reduce
     # (Workload.control_collectives) is not among them
     w = dataclasses.replace(workload_of(TIME_GPT, measured["step"]),
@@ -131,9 +159,7 @@ def _cases(measured: dict, cores: int) -> list[tuple[dict, Any, Any]]:
     # at a whole core: on a laptop of few cores no other case reaches the cap
     for ranks, c, share in ((n, cores, measured_share), (2 * n, cores, None),
                             (n, None, None), (n, 4 * n, None)):
-        m = Machine("exercise", fitted.flops_per_s, alpha, beta,
-                    fitted.optimizer_s_per_param, cores=c,
-                    shared={} if share is None else {ranks: share})
+        m = _exercise_machine(fitted, n, ranks, c, share)
         inputs = {"world_size": ranks, "cores": c, "shared": share,
                   "flops": w.flops(),
                   "flops_per_s": m.flops_per_s,
@@ -176,7 +202,29 @@ def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
             "'shared' where given), the optimizer over the same share, then the "
             "buckets: added when ranks >= cores, else played on two queues"))
         first = want if first is None else first
-    return measured["step"]["step_time_s"] / first
+    return measured_ratio(measured, cores, first)
+
+
+def measured_ratio(measured: dict, cores: int, predicted_s: float) -> float:
+    """Measured / predicted of the measured case: with probes, the median over the
+    timed steps of each step's time over the model at the probes just before and
+    after it (as the page's ``compare``); without, the step over ``predicted_s``."""
+    # loads torch on first use: this module imports without it
+    import statistics
+
+    from dtlib.planner.measure import machine_from
+
+    step = measured["step"]
+    if not step.get("probes"):
+        return step["step_time_s"] / predicted_s
+    n, (_, w, _) = step["world_size"], _cases(measured, cores)[0]
+    raw = machine_from([measured["machine"]], cores)
+    ratios = []
+    for i, t in enumerate(step["step_times_s"]):
+        at = _probed(raw, step, slice(i, i + 2))
+        m = _exercise_machine(at, n, n, cores, at.shared.get(n))
+        ratios.append(t / predict("ddp/overlapped", w, m, n).total_s)
+    return statistics.median(ratios)
 
 
 #: What ``check_predict_step`` switches off while the learner's function runs.
@@ -200,10 +248,12 @@ def check_predict_step(predict_step: Callable[[dict], float]) -> None:
     ``beta_s_per_byte`` of the ring all-reduce). Backward is two thirds of the
     compute, split over the buckets in proportion to their bytes.
 
-    On 2 real ranks it measures the inputs and the step, judges the prediction
-    against the model on the measured machine, on 4 ranks of it and on the same
-    numbers with an engine and with four cores per rank, then prints measured /
-    predicted.
+    On 2 real ranks it measures the inputs and three steps with what drifts probed
+    beside each (Chapter 13's ``probe_rate``), judges the prediction against the
+    model on the measured machine, on 4 ranks of it and on the same numbers with an
+    engine and with four cores per rank, then prints measured / predicted (the
+    median over the steps, each priced at the probes around it: a rate measured
+    once, seconds before the steps, put a busy machine far outside the band).
 
     Taught in: Chapter 13, exercise ch13-ex-predict.
     """
