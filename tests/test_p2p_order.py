@@ -10,6 +10,10 @@ its next batch only when the current one has completed, messages between a pair 
 in order - and fail on a deadlock or on a receive matched with the wrong message.
 The unfused order the chapter used before (each send alone) is shown to deadlock, so the
 replay can fail; a gloo run checks that pipeline_step issues exactly the plan.
+The step, too, posts a batch only once the one before has completed, but it computes
+in between: it waits for a batch's receive before the action's compute and for its
+send after it. Another gloo run checks that each send is still in flight when the
+next compute starts.
 """
 
 from __future__ import annotations
@@ -160,3 +164,107 @@ def test_pipeline_step_issues_exactly_the_plan_on_gloo(world_size):
     for schedule in SCHEDULES:
         for r in launch.spawn(issued_batches, world_size, schedule, 5, timeout=90):
             assert r["issued"] == r["plan"]
+
+
+def send_waits(schedule: str, m: int) -> dict:
+    """On every rank: run pipeline_step on a chain of Linear stages, recording in one
+    list when each forward or backward starts and when each message is posted and
+    waited for (the works ``batch_isend_irecv`` returns, wrapped); also how far the
+    loss and the stage's gradients are from one process's on the whole chain
+    (relative to the loss, and to the largest gradient entry)."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    stages = [nn.Linear(4, 4) for _ in range(p)]
+    x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+    out = x
+    for s in stages:
+        out = s(out)
+    ref_loss = nn.functional.mse_loss(out, y)  # the mean of the equal micro-batches'
+    ref_loss.backward()
+    ref = [q.grad.clone() for q in stages[rank].parameters()]
+    stages[rank].zero_grad()
+    trace: list[tuple] = []
+
+    def starts(kind: str):
+        trace.append(("compute", kind))
+
+    class Watched:
+        def __init__(self, work, k: int) -> None:
+            self.work, self.k = work, k
+
+        def wait(self, *a, **kw):
+            res = self.work.wait(*a, **kw)
+            trace.append(("wait", self.k))
+            return res
+
+    real = dist.batch_isend_irecv
+    posted: list[str] = []
+
+    def batch_isend_irecv(ops):
+        works = real(ops)
+        assert len(works) == len(ops)  # gloo: one work per operation
+        watched = []
+        for op, work in zip(ops, works):
+            posted.append("send" if op.op in (dist.isend, dist.distributed_c10d.isend)
+                          else "recv")
+            trace.append(("post", len(posted) - 1))
+            watched.append(Watched(work, len(posted) - 1))
+        return watched
+
+    stage = stages[rank]
+    stage.register_forward_pre_hook(lambda *_: starts("F"))
+    stage.register_full_backward_pre_hook(lambda *_: starts("B"))
+    dist.batch_isend_irecv = batch_isend_irecv
+    try:
+        res = pipeline_step(stage, x, y, n_microbatches=m, act_shape=(2, 4),
+                            loss_fn=nn.functional.mse_loss, schedule=schedule)
+    finally:
+        dist.batch_isend_irecv = real
+    # per message: computes started before its post, before its wait(s)
+    computes = 0
+    at_post: dict[int, int] = {}
+    at_wait: dict[int, list[int]] = {}
+    for ev in trace:
+        if ev[0] == "compute":
+            computes += 1
+        elif ev[0] == "post":
+            at_post[ev[1]] = computes
+        else:
+            at_wait.setdefault(ev[1], []).append(computes)
+    scale = max(g.abs().max().item() for g in ref)  # what the bound is relative to
+    return {"posted": posted, "at_post": at_post, "at_wait": at_wait,
+            "computes": computes,
+            "loss_diff": abs(res.loss - ref_loss.item()) / ref_loss.item(),
+            "grad_diff": max((g - r).abs().max().item() for g, r in
+                             zip((q.grad for q in stage.parameters()), ref)) / scale}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sends_stay_in_flight_during_the_next_compute_on_gloo(world_size):
+    """A receive is waited for before the compute that reads it, a send only after the
+    next compute has started (the step's last sends at its end); every message once.
+    Waiting each whole batch before computing, as the chapter did before, fails."""
+    m = 5
+    # What the step and one process may differ by (fp32, unit roundoff u = 2^-24):
+    # the same sums in another order, each within n*u of the sum of its terms'
+    # magnitudes (Higham's gamma_n). A value passes p Linear(4, 4) layers (4 products
+    # and a bias each) forward, then back; the loss and a weight gradient sum the
+    # batch's 2m rows of 4 columns, split into micro-batch means.
+    rel = 2.0 ** -24 * (2 * 5 * world_size + 2 * m * 4)
+    for schedule in SCHEDULES:
+        for rank, r in enumerate(launch.spawn(send_waits, world_size, schedule, m,
+                                              timeout=90)):
+            assert r["computes"] == 2 * m
+            assert r["loss_diff"] <= rel and r["grad_diff"] <= rel, (schedule, rank)
+            assert set(r["at_wait"]) == set(range(len(r["posted"])))
+            overlapped = 0
+            for k, op in enumerate(r["posted"]):
+                (waited,) = r["at_wait"][k]  # waited for exactly once
+                if op == "recv":
+                    assert waited == r["at_post"][k], (schedule, rank, k)
+                elif r["at_post"][k] < r["computes"]:  # a compute follows the post
+                    assert waited == r["at_post"][k] + 1, (schedule, rank, k)
+                    overlapped += 1
+                else:
+                    assert waited == r["computes"], (schedule, rank, k)
+            assert overlapped > 0, (schedule, rank)

@@ -189,13 +189,17 @@ def p2p_plan(schedule: str, stage: int, n_stages: int,
     So, as torch's ``Schedule1F1B`` does, each action's outgoing message is not sent
     alone: it is issued in one ``batch_isend_irecv`` with the receive the *next*
     action needs (forward-send with backward-receive, backward-send with the next
-    forward-receive), and the batch is waited for as a whole.
+    forward-receive). Its receive is waited for before ``action`` runs, its send only
+    after: the send is in flight while ``action`` computes, and done before the next
+    batch is issued, as ``Schedule1F1B`` waits its warm-up and cool-down sends (its
+    fused batches it waits for whole).
 
     Args:
         schedule, stage, n_stages, n_microbatches: as :func:`schedule_order`.
     Returns:
-        ``[(batch, action), ...]``: issue ``batch`` (possibly empty), wait for it, then
-        run ``action``; the last entry has action ``None`` (the final sends).
+        ``[(batch, action), ...]``: issue ``batch`` (possibly empty), wait for its
+        receive, run ``action``, then wait for its send; the last entry has action
+        ``None`` (the final sends, waited at the end of the step).
 
     Taught in: Chapter 6, "Sends that cannot deadlock".
     """
@@ -213,6 +217,20 @@ def p2p_plan(schedule: str, stage: int, n_stages: int,
             pending = () if first else (P2P("send", "grad", i, stage - 1),)
     plan.append((pending, None))
     return plan
+
+
+def _split_works(batch: tuple[P2P, ...],
+                 works: list[dist.Work]) -> tuple[list[dist.Work], list[dist.Work]]:
+    """The works of one ``batch_isend_irecv``, split into (wait before the next
+    compute, wait after it). Gloo returns one work per operation: the receives' go
+    before, the sends' after. NCCL coalesces the batch into one work: waited before
+    the compute, send and all, when the batch has a receive, else after."""
+    if len(works) == len(batch):
+        return ([w for msg, w in zip(batch, works) if msg.op == "recv"],
+                [w for msg, w in zip(batch, works) if msg.op == "send"])
+    if any(msg.op == "recv" for msg in batch):
+        return list(works), []
+    return [], list(works)
 
 
 @dataclass
@@ -241,7 +259,11 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
     those of the mean of the micro-batch losses: with equal micro-batches, the
     full-batch mean loss. Messages follow :func:`p2p_plan`: each action's outgoing
     message goes in one ``batch_isend_irecv`` with the next action's receive, so no
-    two stages ever block sending to each other (a deadlock on any backend).
+    two stages ever block sending to each other (a deadlock on any backend). The
+    receive is waited for before the next action computes, the send after it (on
+    NCCL, which returns one work for the batch, a batch with a receive is waited for
+    whole before the compute). On a GPU the ``sync(device)`` around each action,
+    there for the measured events, also waits for the send's kernel.
 
     Args:
         stage_module: this rank's stage (stage index = rank in ``group``).
@@ -303,9 +325,12 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
                           outgoing.pop((msg.what, msg.mb)) if msg.op == "send"
                           else incoming[msg.what, msg.mb], peer(msg.peer), group)
                for msg in batch]
-        if ops:  # one batch: sends and receives posted together, waited together
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        # one batch: sends and receives posted together; only the receives are
+        # waited before the compute that reads them
+        works = dist.batch_isend_irecv(ops) if ops else []
+        receiving, sending = _split_works(batch, works)
+        for work in receiving:
+            work.wait()
         if action is None:
             break
         kind, i = action
@@ -341,6 +366,10 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
                 outgoing["grad", i] = x.grad if x.grad is not None \
                     else torch.zeros_like(x)
             live -= 1
+        for work in sending:  # in flight while this action computed
+            work.wait()
+    for work in sending:
+        work.wait()  # the last batch's sends, at the end of the step
     if p > 1:  # every stage reports the loss the last one computed
         dist.broadcast(total_loss, src=peer(p - 1), group=group)
     return StepResult(total_loss.item(), events, peak)
