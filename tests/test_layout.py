@@ -312,7 +312,9 @@ def private_imports(root: Path = ROOT) -> list[str]:
             if isinstance(node, ast.ImportFrom) and node.module \
                     and node.module.split(".")[0] == "dtlib":
                 for a in node.names:
-                    if a.name.startswith("_") and not a.name.startswith("__"):
+                    # `_` alone is gettext's public marker (dtlib.runtime.i18n._)
+                    if a.name.startswith("_") and not a.name.startswith("__") \
+                            and a.name != "_":
                         found.append(f"{mod} imports {node.module}.{a.name}")
     return found
 

@@ -19,6 +19,11 @@ Before the script runs (or without JavaScript) the calculator shows a note inste
 the static table above it is the built result, and ``make lab`` gives the live
 ipywidgets version in JupyterLab.
 
+Both editions of the book show the same executed output, so a calculator carries its
+words in English and in Chinese (:func:`both`, from dtlib's catalog): the page's
+``<html lang>`` decides which one a reader sees, in the HTML by a style rule and in the
+script by ``tr``.
+
 Taught in: Chapter 1, the planner; Chapter 11, choosing the degrees.
 """
 
@@ -29,7 +34,30 @@ import json
 import re
 from typing import Any, Sequence
 
-__all__ = ["LiveCalculator", "coded_entry", "coded_table", "select"]
+from dtlib.runtime.i18n import _, speaking
+
+__all__ = ["LiveCalculator", "both", "coded_entry", "coded_table", "in_both", "select"]
+
+
+def in_both(english: str) -> list[str]:
+    """``[english, its Chinese]``: what a calculator's script picks from with ``tr``."""
+    with speaking("zh_CN"):
+        return [english, _(english)]
+
+
+def both(english: str, markup: bool = False) -> str:
+    """HTML of ``english`` and its Chinese, each in a ``lang`` span; the page's
+    language shows one (a style rule of the calculator hides the other).
+
+    Args:
+        english: the message (one of dtlib's catalog's).
+        markup: ``english`` and its translation are HTML already (not escaped).
+    """
+    en, zh = in_both(english)
+    if not markup:
+        en, zh = html.escape(en), html.escape(zh)
+    return f'<span lang="en">{en}</span><span lang="zh-CN">{zh}</span>'
+
 
 # Two characters of this alphabet code one entry of a table's list of distinct values.
 ALPHABET = ("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-_")
@@ -46,6 +74,9 @@ const pick = name => {
   return [e.selectedIndex, grid.controls[name][e.selectedIndex]];
 };
 const fixed = (x, d) => x.toFixed(d);
+// The page's language picks a message's English or Chinese (in_both in live.py).
+const ZH = (document.documentElement.lang || "").toLowerCase().startsWith("zh");
+const tr = pair => pair[ZH ? 1 : 0];
 // Entry [i0][i1]... of a coded table (see coded_table in dtlib/chapters/live.py).
 const A = %(alphabet)s;
 const lookup = (t, idx) => {
@@ -77,6 +108,8 @@ _STYLE = """
 .dtlib-live table { margin: 0.4em 0; }
 .dtlib-live .dtlib-swatch { display: inline-block; width: 0.9em; height: 0.9em;
                             margin-right: 0.3em; vertical-align: middle; }
+html:lang(zh) .dtlib-live [lang="en"], html:not(:lang(zh)) .dtlib-live [lang="zh-CN"]
+  { display: none; }
 </style>
 """
 
@@ -136,7 +169,8 @@ def select(name: str, label: str, options: Sequence[Any], default: Any) -> str:
 
     Args:
         name: the control's name (a key of the grid's ``controls``).
-        label: what the reader sees beside it.
+        label: what the reader sees beside it (a message of dtlib's catalog:
+            shown in the page's language).
         options: the values, in the grid's order.
         default: the value selected first (one of ``options``).
     Returns:
@@ -147,7 +181,7 @@ def select(name: str, label: str, options: Sequence[Any], default: Any) -> str:
         raise ValueError(f"default={default!r} is not one of {options}")
     opts = "".join(f'<option{" selected" if v == default else ""}>'
                    f"{html.escape(str(v))}</option>" for v in options)
-    return (f'<label>{html.escape(label)}<select name="{html.escape(name)}">'
+    return (f'<label>{both(label)}<select name="{html.escape(name)}">'
             f"{opts}</select></label>")
 
 
@@ -156,7 +190,7 @@ class LiveCalculator:
 
     Args:
         ident: the HTML id of the calculator (unique on its page).
-        title: its heading.
+        title: its heading (a message of dtlib's catalog, as ``fallback`` is).
         controls: HTML of the controls (see :func:`select`); their names are the
             keys of ``grid["controls"]``.
         outputs: HTML of the outputs (elements with ``data-out`` attributes).
@@ -189,8 +223,9 @@ class LiveCalculator:
                             "alphabet": json.dumps(ALPHABET)} + self.script + _START
                 + "})();")
         return (f'{_STYLE}<div class="dtlib-live" id="{self.ident}">'
-                f"<p><strong>{html.escape(self.title)}</strong></p>"
-                f'<p class="dtlib-live-nojs"><em>{self.fallback}</em></p>'
+                f"<p><strong>{both(self.title)}</strong></p>"
+                f'<p class="dtlib-live-nojs"><em>{both(self.fallback, markup=True)}'
+                "</em></p>"
                 f'<div class="dtlib-live-ui" hidden>{self.controls}{self.outputs}</div>'
                 f'<script type="application/json" class="dtlib-live-grid">'
                 f"{self.grid_json()}</script>"

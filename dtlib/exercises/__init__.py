@@ -32,6 +32,7 @@ import textwrap
 from typing import Any, Callable, Mapping, TypeVar
 
 from dtlib.exercises.feedback import WrongAnswer
+from dtlib.runtime.i18n import _
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,13 +46,14 @@ class NotAttempted(Exception):
 
 def passed(what: str) -> None:
     """Tell the learner an exercise is solved."""
-    print(f"Correct: {what}")
+    print(_("Correct: {what}").format(what=what))
 
 
 def not_attempted(name: str) -> None:
     """Tell the learner an exercise is untouched; nothing was run."""
-    print(f"Not attempted yet: {name} still holds the stub. Write your answer in "
-          "place of `...` / `raise NotImplementedError`, then run the cell again.")
+    print(_("Not attempted yet: {name} still holds the stub. Write your answer in "
+            "place of `...` / `raise NotImplementedError`, then run the cell again."
+            ).format(name=name))
 
 
 def is_stub(fn: Callable[..., Any] | str) -> bool:
@@ -77,12 +79,12 @@ def is_stub(fn: Callable[..., Any] | str) -> bool:
 def _stub_in(args: tuple, kwargs: dict) -> str | None:
     for i, value in enumerate((*args, *kwargs.values())):
         if value is Ellipsis:
-            return "your answer"
+            return _("your answer")
         if (callable(value) and not isinstance(value, type)) or (
                 isinstance(value, str) and value.lstrip().startswith("def ")):
             if is_stub(value):
                 return (f"`{value.__name__}`" if callable(value) and
-                        hasattr(value, "__name__") else "your function")
+                        hasattr(value, "__name__") else _("your function"))
     return None
 
 
@@ -133,10 +135,10 @@ def checker(fn: F | None = None, *,
         try:
             result = fn(*args, **kwargs)
         except NotAttempted as exc:
-            return not_attempted(str(exc) or "your answer")
+            return not_attempted(str(exc) or _("your answer"))
         except NotImplementedError:
             # The learner's function raised its stub while the checker called it.
-            return not_attempted("your function")
+            return not_attempted(_("your function"))
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is feedback
             from dtlib.exercises.tripwires import ShortcutTaken, shortcut_in
 
@@ -146,9 +148,10 @@ def checker(fn: F | None = None, *,
             elif not isinstance(exc, WrongAnswer):
                 raise
             if draws and not isinstance(exc, ShortcutTaken):
-                exc = type(exc)(exc.what + f" (cases drawn with seed {seed}: "
-                                f"{fn.__name__}(..., seed={seed}) or "
-                                f"{SEED_VARIABLE}={seed} draws them again)", exc.hint)
+                exc = type(exc)(exc.what + _(
+                    " (cases drawn with seed {seed}: {name}(..., seed={seed}) or "
+                    "{variable}={seed} draws them again)").format(
+                        seed=seed, name=fn.__name__, variable=SEED_VARIABLE), exc.hint)
             _ATTEMPTS[fn.__qualname__] = _ATTEMPTS.get(fn.__qualname__, 0) + 1
             exc.attempt = _ATTEMPTS[fn.__qualname__]
             exc.exercise = fn.__name__.removeprefix("check_").replace("_", " ")
@@ -185,7 +188,7 @@ def case_seed() -> int:
 
 def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],
                  world_size: int, *args: Any, timeout: float = 60.0,
-                 what: str = "your code") -> list[Any]:
+                 what: str | None = None) -> list[Any]:
     """Run ``on_rank(learner_fn, *args)`` on ``world_size`` real ranks.
 
     ``learner_fn`` may be defined in a notebook cell: the closure that carries it is
@@ -197,12 +200,14 @@ def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],
         learner_fn: the learner's function.
         world_size: ranks to start.
         timeout: seconds before a hang is reported.
-        what: how to name the learner's code in messages.
+        what: how to name the learner's code in messages (default "your code").
     Returns:
         Each rank's return value of ``on_rank``.
     """
     # loads torch on first use: this module imports without it
     from dtlib.runtime import launch
+
+    what = _("your code") if what is None else what
 
     def rank_main() -> Any:
         return on_rank(learner_fn, *args)
@@ -211,12 +216,15 @@ def run_on_ranks(on_rank: Callable[..., Any], learner_fn: Callable[..., Any],
         return launch.spawn(rank_main, world_size, timeout=timeout, stream=False)
     except launch.LaunchTimeout as exc:
         raise WrongAnswer(
-            f"on {world_size} ranks {what} did not finish in {timeout:g} s. Where each "
-            "rank was:\n  " + "\n  ".join(exc.report),
-            "a rank waits for a message or a collective that its peer never sends or "
-            "joins: compare the order of the calls on each rank") from None
+            _("on {world_size} ranks {what} did not finish in {timeout:g} s. Where "
+              "each rank was:").format(world_size=world_size, what=what,
+                                       timeout=timeout)
+            + "\n  " + "\n  ".join(exc.report),
+            _("a rank waits for a message or a collective that its peer never sends or "
+              "joins: compare the order of the calls on each rank")) from None
     except launch.LaunchError as exc:
-        raise WrongAnswer(f"on {world_size} ranks {what} failed:\n{exc}") from None
+        raise WrongAnswer(_("on {world_size} ranks {what} failed:").format(
+            world_size=world_size, what=what) + f"\n{exc}") from None
 
 
 def as_number(got: Any) -> float | None:

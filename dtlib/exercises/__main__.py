@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--output", required=True, help="folder for learner notebooks")
     p.add_argument("--force", action="store_true",
                    help="overwrite learner copies edited since they were written")
+    p.add_argument("--lang", default="en", metavar="LANG",
+                   help="en (default) or zh_CN: the prose from the Chinese catalogs "
+                   "(locale/zh_CN) and the checkers' feedback in Chinese")
     g = sub.add_parser("grade", help="execute notebooks headless and print one row "
                        "per exercise: correct / wrong / not attempted / error")
     g.add_argument("paths", nargs="+", metavar="PATH",
@@ -62,12 +65,20 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(grade(args.paths, args.json, args.cell_timeout))
         except ValueError as exc:
             parser.error(str(exc))
-    report = strip_tree(args.src, args.output, force=args.force)
+    try:
+        report = strip_tree(args.src, args.output, force=args.force, lang=args.lang)
+    except ValueError as exc:
+        parser.error(str(exc))
     kept = [name for name, w in report.items() if w.kept]
     for name, w in report.items():
         if not w.kept:
             print(f"{name}: {w.solutions} solution(s) removed")
     print(f"wrote {len(report) - len(kept)} notebook(s) to {args.output}")
+    english = {name: w.untranslated for name, w in report.items() if w.untranslated}
+    if english:
+        print(f"{sum(english.values())} message(s) left in English, the catalogs being "
+              "incomplete or out of step (make po; make test names them): "
+              + ", ".join(f"{k} ({v})" for k, v in english.items()))
     if kept:
         print(f"kept {len(kept)} notebook(s) you edited "
               "(your work is not overwritten): "

@@ -6,6 +6,8 @@ importing the checkers' package.
 
 from __future__ import annotations
 
+from dtlib.runtime.i18n import _
+
 
 class WrongAnswer(AssertionError):
     """The learner's answer is wrong.
@@ -28,14 +30,16 @@ class WrongAnswer(AssertionError):
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing a traceback: the learner sees the
         # feedback, not the checker's source.
-        head = "\x1b[1;31mNot yet\x1b[0m" + (f" ({self.exercise})"
-                                             if self.exercise else "")
-        lines = [f"{head}: {self.what}"]
+        not_yet, hint_label = _("Not yet"), _("Hint")
+        head = f"\x1b[1;31m{not_yet}\x1b[0m" + (f" ({self.exercise})"
+                                               if self.exercise else "")
+        lines = [_("{head}: {what}").format(head=head, what=self.what)]
         if self.hint and self.attempt >= 2:
-            lines.append(f"\x1b[1mHint\x1b[0m: {self.hint}")
+            lines.append(_("{hint_label}: {hint}").format(
+                hint_label=f"\x1b[1m{hint_label}\x1b[0m", hint=self.hint))
         elif self.hint:
-            lines.append("(Change your answer and run the cell again; a hint comes "
-                         "from the second try on.)")
+            lines.append(_("(Change your answer and run the cell again; a hint comes "
+                           "from the second try on.)"))
         return lines
 
 

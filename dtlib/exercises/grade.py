@@ -29,6 +29,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from dtlib.runtime.i18n import LANGUAGES, _, speaking
+
+# The checkers' verdict lines (dtlib.exercises.passed, not_attempted), in every
+# language a learner copy may speak: the grader reads either.
+_CORRECT = "Correct: {what}"
+_NOT_ATTEMPTED = ("Not attempted yet: {name} still holds the stub. Write your answer "
+                  "in place of `...` / `raise NotImplementedError`, then run the cell "
+                  "again.")
+
+
+def _prefixes(message: str, field: str) -> list[str]:
+    """What ``message`` reads as before ``field`` in each language."""
+    out = []
+    for lang in LANGUAGES:
+        with speaking(lang):
+            out.append(_(message).split(field)[0])
+    return out
+
 __all__ = ["EXERCISE_LABEL", "Row", "STATUSES", "grade_notebook", "grade_paths", "main"]
 
 STATUSES = ("correct", "wrong", "not attempted", "error")
@@ -65,13 +83,15 @@ def _verdict(cell: dict[str, Any]) -> tuple[str, str]:
     text = "".join(
         "".join(out.get("text", "")) for out in outputs
         if out.get("output_type") == "stream" and out.get("name") == "stdout")
-    if "Not attempted yet" in text:
-        line = next(x for x in text.splitlines() if "Not attempted yet" in x)
-        return "not attempted", _first_line(line).split(". ")[0].removeprefix(
-            "Not attempted yet: ")
-    if "Correct:" in text:
-        line = next(x for x in text.splitlines() if "Correct:" in x)
-        return "correct", _first_line(line)
+    for prefix in _prefixes(_NOT_ATTEMPTED, "{name}"):
+        if prefix in text:
+            line = next(x for x in text.splitlines() if prefix in x)
+            rest = _first_line(line).split(prefix, 1)[1]
+            return "not attempted", re.split(r"\. |。", rest)[0]
+    for prefix in _prefixes(_CORRECT, "{what}"):
+        if prefix in text:
+            line = next(x for x in text.splitlines() if prefix in x)
+            return "correct", _first_line(line)
     if cell.get("execution_count") is None:
         return "error", "the cell did not run"
     return "error", "the checker printed no verdict"

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from dtlib.runtime import launch
 from dtlib.runtime.dist import world
 from dtlib.exercises import WrongAnswer, as_number, checker, passed, run_on_ranks
+from dtlib.runtime.i18n import _
 
 _PAGE_WORLDS = (1, 2, 4)     # the world sizes the page names
 _MORE_WORLDS = (3, 5, 6)  # launched too, one of them drawn at random per check
@@ -52,16 +53,17 @@ def check_all_reduce_prediction(predict: Callable[[int, int], float],
     rng = random.Random(seed)
     if world_sizes is None:
         world_sizes = (*_PAGE_WORLDS, rng.choice(_MORE_WORLDS))
-    hint = ("after an all-reduce every rank holds the same value, the sum over all "
-            "ranks of what each contributed: write it for any world_size.")
+    hint = _("after an all-reduce every rank holds the same value, the sum over all "
+             "ranks of what each contributed: write it for any world_size.")
     for n in world_sizes:
         truth = launch.spawn(_all_reduce_rank_plus_one, n, stream=False)
         for rank, actual in enumerate(truth):
             got = predict(n, rank)
             if not _is_number(got) or got != actual:
                 raise WrongAnswer(
-                    f"world_size={n}, rank={rank}: you predicted {got!r}, the rank "
-                    f"holds {actual!r}.", hint)
+                    _("world_size={n}, rank={rank}: you predicted {got!r}, the rank "
+                      "holds {actual!r}.").format(n=n, rank=rank, got=got,
+                                                  actual=actual), hint)
     # Beyond what two cores can launch: the sum of rank + 1 over the ranks, which is
     # what every launched world above held (exact: integers below 2**24 in float32).
     for n in sorted(rng.sample(range(8, 4097), 3)):
@@ -69,10 +71,11 @@ def check_all_reduce_prediction(predict: Callable[[int, int], float],
         got, actual = predict(n, rank), float(n * (n + 1) // 2)
         if not _is_number(got) or got != actual:
             raise WrongAnswer(
-                f"world_size={n}, rank={rank}: you predicted {got!r}; the sum of "
-                f"rank + 1 over {n} ranks is {actual!r}.", hint)
-    passed(f"your prediction matches real all-reduces on {list(world_sizes)} ranks "
-           "and the larger worlds tried")
+                _("world_size={n}, rank={rank}: you predicted {got!r}; the sum of "
+                  "rank + 1 over {n} ranks is {actual!r}.").format(
+                      n=n, rank=rank, got=got, actual=actual), hint)
+    passed(_("your prediction matches real all-reduces on {worlds} ranks and the "
+             "larger worlds tried").format(worlds=list(world_sizes)))
 
 
 def _count_on_rank(count_flagged: Callable[[bool], Any],
@@ -117,14 +120,14 @@ def check_count_flagged(count_flagged: Callable[[bool], Any],
     rng = random.Random(seed)
     if world_sizes is None:
         world_sizes = (4, rng.choice((2, 3, 5)))
-    hint = ("every rank must call the same collective, whatever its own flag: put the "
-            "flag in a tensor (1 or 0), all-reduce it, and return the sum on every "
-            "rank, as an int.")
+    hint = _("every rank must call the same collective, whatever its own flag: put "
+             "the flag in a tensor (1 or 0), all-reduce it, and return the sum on "
+             "every rank, as an int.")
     for n in world_sizes:
         patterns = _patterns(n, rng)
         try:
             results = run_on_ranks(_count_on_rank, count_flagged, n, patterns,
-                                   timeout=timeout, what="your count_flagged")
+                                   timeout=timeout, what=_("your count_flagged"))
         except WrongAnswer as exc:
             raise WrongAnswer(exc.what, hint) from None
         for i, flags in enumerate(patterns):
@@ -133,8 +136,9 @@ def check_count_flagged(count_flagged: Callable[[bool], Any],
                 got = per_rank[i]
                 if not _is_number(got) or got != want:
                     raise WrongAnswer(
-                        f"world_size={n}, flags per rank {flags}: rank {rank} "
-                        f"returned {got!r}, expected {want} (a number, the same on "
-                        "every rank).", hint)
-    passed(f"every rank returned the count on {list(world_sizes)} ranks, for every "
-           "flag pattern tried")
+                        _("world_size={n}, flags per rank {flags}: rank {rank} "
+                          "returned {got!r}, expected {want} (a number, the same on "
+                          "every rank).").format(n=n, flags=flags, rank=rank, got=got,
+                                                 want=want), hint)
+    passed(_("every rank returned the count on {worlds} ranks, for every flag "
+             "pattern tried").format(worlds=list(world_sizes)))

@@ -87,3 +87,32 @@ def glued(name: str, fmt: str = "", where: str = "run the cells above") -> Shown
     if hasattr(value, "data") and isinstance(getattr(value, "data"), str) and not fmt:
         return ShownMarkdown(value.data)  # an IPython Markdown object
     return Shown(format(value, fmt) if fmt else str(value))
+
+
+def write_settings(folder: str, lang: str) -> str:
+    """Write JupyterLab user settings that open it in ``lang`` (its language pack).
+
+    ``make lab LANG=zh_CN`` points ``JUPYTERLAB_SETTINGS_DIR`` at ``folder``: the
+    Chinese copies open in a Chinese JupyterLab and the English lab keeps its own
+    settings.
+
+    Returns:
+        The settings file written.
+    """
+    import json
+    import os
+
+    path = os.path.join(folder, "@jupyterlab", "translation-extension",
+                        "plugin.jupyterlab-settings")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"locale": lang}, f)
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "settings":
+        sys.exit("usage: python -m dtlib.exercises.lab settings FOLDER LANG")
+    print(write_settings(sys.argv[2], sys.argv[3]))

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from dtlib.runtime.i18n import _
+
 #: ``{cite}`a,b```, ``{cite:p}`a```, ``{cite:t}`a```: sphinxcontrib-bibtex's roles.
 CITE = re.compile(r"\{cite(?::(p|t))?\}`([^`]+)`")
 
@@ -80,7 +82,7 @@ def load(bibfiles: Iterable[str | Path]) -> dict[str, Reference]:
                 short = " and ".join(last) or _plain(fields.get("title", key))
             entries.append((key, short, fields, ", ".join(full)))
     seen: dict[tuple[str, str], int] = {}
-    for _, short, fields, _ in entries:
+    for _key, short, fields, _names in entries:
         seen[short, fields.get("year", "")] = seen.get((short, fields.get("year", "")),
                                                        0) + 1
     letters: dict[tuple[str, str], int] = {}
@@ -136,4 +138,4 @@ def references_cell(keys: Iterable[str], refs: dict[str, Reference]) -> str:
     """The Markdown of a learner copy's last cell: each cited entry under its target."""
     entries = sorted((refs[k] for k in keys), key=lambda r: (r.authors, r.year))
     body = "\n\n".join(f"({r.target})=\n{r.text}" for r in entries)
-    return "## References\n\n" + body
+    return "## " + _("References") + "\n\n" + body

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from dtlib.exercises.lab import placeholder
+from dtlib.runtime.i18n import LANGUAGES, _, speaking
 from dtlib.exercises.references import Reference, cited, readable_citations, \
     references_cell
 from dtlib.exercises.references import load as load_references
@@ -138,6 +139,22 @@ GLUE_SETUP = (
 )
 
 
+def setup_source(glue_used: bool, lang: str) -> str:
+    """The set-up cell of a learner copy: the glued numbers' recorder, and in a copy
+    in another language than English the language of the checkers' feedback."""
+    parts = []
+    if glue_used:
+        code = GLUE_SETUP[GLUE_SETUP.index("from dtlib"):]
+        parts.append(_("# Learner copy: the numbers in the prose come from your own "
+                       "run. JupyterLab with\n# jupyterlab-myst shows each once the "
+                       "cell that computes it has run (make lab).") + "\n" + code)
+    if lang != "en":
+        parts.append(_("# The checkers answer in the language of this copy.") + "\n"
+                     "from dtlib.runtime.i18n import use\n\n"
+                     f"use({lang!r})")
+    return "\n\n".join(parts)
+
+
 def glue_expression(name: str, fmt: str, where: str) -> str:
     """The ``{eval}`` expression a learner copy's prose shows a glued number with: it
     imports what it calls (a kernel that has not run the set-up cell evaluates it
@@ -186,14 +203,15 @@ def where_computed(cells: list[dict], name: str, at: int) -> str:
             if exact or (f and name.startswith(text) and len(text) > best_len):
                 best, best_len = i, (len(name) + 1 if exact else len(text))
     if best is None:
-        return "run the cells above"
+        return _("run the cells above")
     lo, hi = sorted((best, at))
     between = any(c.get("cell_type") == "markdown" and _HEADING.search(_source(c))
                   for c in cells[lo + 1:hi + 1])
     if not between:
-        return "run the cell above" if best < at else "run the cell below"
+        return _("run the cell above") if best < at else _("run the cell below")
     heading = _heading(cells, best + 1)
-    return f"run “{heading}”" if heading else "run the cells above"
+    return (_("run “{heading}”").format(heading=heading) if heading
+            else _("run the cells above"))
 
 
 def readable_markdown(text: str, where: Callable[[str], str] | None = None
@@ -211,7 +229,7 @@ def readable_markdown(text: str, where: Callable[[str], str] | None = None
     found: list[tuple[str, str]] = []
 
     def role(name: str, fmt: str) -> str:
-        note = where(name) if where else "run the cells above"
+        note = where(name) if where else _("run the cells above")
         expr = glue_expression(name, fmt, note)
         found.append((expr, note))
         return "{eval}`%s`" % expr
@@ -230,8 +248,8 @@ def saved_results(found: list[tuple[str, str]]) -> list[dict]:
             for expr, note in found]
 
 
-def strip_notebook(nb: dict, refs: dict[str, Reference] | None = None
-                   ) -> tuple[dict, int]:
+def strip_notebook(nb: dict, refs: dict[str, Reference] | None = None,
+                   lang: str = "en") -> tuple[dict, int]:
     """Strip every code cell of ``nb`` (a notebook as JSON); return it and the count.
 
     Markdown becomes readable in JupyterLab (:func:`readable_markdown`; the book's
@@ -242,6 +260,10 @@ def strip_notebook(nb: dict, refs: dict[str, Reference] | None = None
     Args:
         refs: the bibliography (:func:`dtlib.exercises.references.load`); needed when
             the notebook cites.
+        lang: the copy's language (its prose already translated,
+            :func:`dtlib.exercises.catalogs.translate_notebook`): the notes and the
+            References heading the tool writes, and the feedback's language, which a
+            set-up cell sets.
     Raises:
         ValueError: the notebook cites and ``refs`` is None, or cites a missing key.
     """
@@ -279,9 +301,9 @@ def strip_notebook(nb: dict, refs: dict[str, Reference] | None = None
         if any("id" in c for c in cells[:-1]):
             cells[-1]["id"] = "learner-references"
     nb["cells"] = cells
-    if glue_used:
+    if glue_used or lang != "en":
         setup = {"cell_type": "code", "execution_count": None, "metadata": {},
-                 "outputs": [], "source": GLUE_SETUP}
+                 "outputs": [], "source": setup_source(glue_used, lang)}
         if any("id" in c for c in cells):
             setup["id"] = "learner-glue-setup"
         first_code = next((i for i, c in enumerate(cells)
@@ -309,6 +331,7 @@ class Written:
 
     solutions: int  # solutions removed
     kept: bool  # True: the learner's copy differs from what was written; left alone
+    untranslated: int = 0  # messages of a translated copy left in English
 
 
 def _sha256(data: bytes) -> str:
@@ -331,7 +354,8 @@ def book_bibliography(src: str | os.PathLike) -> list[Path]:
 
 def strip_tree(src: str | os.PathLike, dst: str | os.PathLike,
                force: bool = False,
-               bibfiles: list[str | os.PathLike] | None = None) -> dict[str, Written]:
+               bibfiles: list[str | os.PathLike] | None = None,
+               lang: str = "en") -> dict[str, Written]:
     """Strip every notebook in ``src`` into ``dst`` without losing a learner's work.
 
     Args:
@@ -340,15 +364,32 @@ def strip_tree(src: str | os.PathLike, dst: str | os.PathLike,
         force: overwrite learner copies that were edited since they were written.
         bibfiles: BibTeX files for the citations (default: the book's, found by
             :func:`book_bibliography`).
+        lang: ``en``, or ``zh_CN`` for copies whose markdown is the Chinese edition's
+            catalogs (``locale/zh_CN/LC_MESSAGES/notebooks/<name>.po`` beside ``src``)
+            and whose checkers answer in Chinese; the code is the same.
     Returns:
-        file name -> :class:`Written` (solutions removed, and whether the file was
-        kept).
+        file name -> :class:`Written` (solutions removed, whether the file was
+        kept, and how many messages a translated copy left in English).
     Raises:
-        ValueError: ``src`` is not a directory.
+        ValueError: ``src`` is not a directory, ``lang`` is not a language the book
+            has, or a notebook has no catalog in it.
     """
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise ValueError(f"src={str(src)!r} is not a directory of notebooks")
+    if lang not in LANGUAGES:
+        raise ValueError(f"lang={lang!r}: the learner copies exist in "
+                         f"{', '.join(LANGUAGES)}")
+    with speaking(lang):
+        return _strip_tree(src, dst, force, bibfiles, lang)
+
+
+def _strip_tree(src: Path, dst: Path, force: bool,
+                bibfiles: list[str | os.PathLike] | None,
+                lang: str) -> dict[str, Written]:
+    from dtlib.exercises.catalogs import translate_notebook
+
+    catalogs = src.resolve().parent / "locale" / lang / "LC_MESSAGES" / src.name
     dst.mkdir(parents=True, exist_ok=True)
     try:
         record = json.loads((dst / RECORD).read_text())
@@ -359,20 +400,29 @@ def strip_tree(src: str | os.PathLike, dst: str | os.PathLike,
     refs = load_references(files) if files else None
     for path in sorted(src.glob("*.ipynb")):
         with open(path) as f:
-            try:
-                nb, n = strip_notebook(json.load(f), refs)
-            except ValueError as exc:
-                raise ValueError(f"{path.name}: {exc}") from None
+            nb = json.load(f)
+        missed: list[str] = []
+        if lang != "en":
+            po = catalogs / f"{path.stem}.po"
+            if not po.is_file():
+                raise ValueError(f"{path.name}: no {lang} catalog at {po} (make po "
+                                 "writes it)")
+            nb, missed = translate_notebook(nb, po)
+            nb.setdefault("metadata", {})["dtlib"] = {"language": lang}
+        try:
+            nb, n = strip_notebook(nb, refs, lang)
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: {exc}") from None
         data = (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
         target = dst / path.name
         if target.exists() and not force:
             current = _sha256(target.read_bytes())
             # Ours and untouched (or already identical): safe to replace.
             if current not in (record.get(path.name), _sha256(data)):
-                report[path.name] = Written(n, kept=True)
+                report[path.name] = Written(n, kept=True, untranslated=len(missed))
                 continue
         target.write_bytes(data)
         record[path.name] = _sha256(data)
-        report[path.name] = Written(n, kept=False)
+        report[path.name] = Written(n, kept=False, untranslated=len(missed))
     (dst / RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return report

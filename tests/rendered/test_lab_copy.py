@@ -16,6 +16,7 @@ them, failed under DTLIB_REQUIRE_BOOK=1 (as `make check-book` runs it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -91,30 +92,26 @@ def _unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A JupyterLab server on 127.0.0.1 over fresh learner copies (its own config,
-    data, settings and workspace folders), and a browser that may reach only it."""
-    reason = _unavailable()
-    if reason:
-        if REQUIRED:
-            pytest.fail(reason)
-        pytest.skip(reason)
-    from dtlib.exercises.strip import strip_tree
-
-    home = tmp_path_factory.mktemp("lab")
-    copies = home / "exercises"
-    strip_tree(ROOT / "notebooks", copies)
+@contextlib.contextmanager
+def _lab_server(home: Path, copies: Path, trusted: list[str], locale: str = "en"):
+    """A JupyterLab server over ``copies`` (its own config, data, settings and
+    workspace folders; JupyterLab's own language ``locale``), and a browser that may
+    reach only it."""
     settings = home / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     # No "would you like news?" prompt over the page, no update check.
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    if locale != "en":  # what make lab LANG=zh_CN writes
+        from dtlib.exercises.lab import write_settings
+
+        write_settings(str(home / "settings"), locale)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"),
                JUPYTER_DATA_DIR=str(home / "data"),
                JUPYTER_RUNTIME_DIR=str(home / "runtime"))
     env.pop("DTLIB_STRICT_WARNINGS", None)  # the learner's kernel, as make lab runs it
-    subprocess.run([str(JUPYTER), "trust", str(copies / CH0), str(copies / CH4)],
+    env.pop("DTLIB_LANG", None)  # the copy sets its own language
+    subprocess.run([str(JUPYTER), "trust", *(str(copies / n) for n in trusted)],
                    env=env, check=True, capture_output=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -151,6 +148,27 @@ def lab(tmp_path_factory):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def _require_lab() -> None:
+    reason = _unavailable()
+    if reason:
+        if REQUIRED:
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab over fresh English learner copies."""
+    _require_lab()
+    from dtlib.exercises.strip import strip_tree
+
+    home = tmp_path_factory.mktemp("lab")
+    copies = home / "exercises"
+    strip_tree(ROOT / "notebooks", copies)
+    with _lab_server(home, copies, [CH0, CH4]) as served:
+        yield served
 
 
 def _open(browser: Browser, base: str, token: str, name: str, cells: int) -> dict:
@@ -272,3 +290,69 @@ def test_chapter_0_reads_before_and_after_its_cells_run(lab) -> None:
     # only a sentence that comes before its cell still reads "run the cell below".
     left = NOTE.findall(text)
     assert all(n == "[run the cell below]" for n in left), left
+
+
+# The Chinese copies (make lab LANG=zh_CN): the prose from the catalogs, JupyterLab's
+# menus from its zh_CN language pack, and a wrong answer answered in Chinese.
+
+OUTPUTS_JS = r"""
+(() => [...document.querySelectorAll(
+    '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output')]
+    .map(e => e.textContent))()
+"""
+WRONG = "return float(world_size)  # a learner's wrong answer: one rank's share"
+
+
+@pytest.fixture(scope="module")
+def lab_zh(tmp_path_factory):
+    """JupyterLab in Chinese over fresh Chinese learner copies; chapter 0's first
+    exercise answered wrongly, as a learner might."""
+    _require_lab()
+    from dtlib.exercises.strip import strip_tree
+
+    home = tmp_path_factory.mktemp("lab-zh")
+    copies = home / "exercises" / "zh_CN"
+    strip_tree(ROOT / "notebooks", copies, lang="zh_CN")
+    nb = json.loads((copies / CH0).read_text())
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "code"
+                and "def predict" in "".join(c["source"]))
+    src = "".join(cell["source"])
+    assert "raise NotImplementedError" in src, src
+    cell["source"] = src.replace("raise NotImplementedError", WRONG, 1)
+    (copies / CH0).write_text(json.dumps(nb, ensure_ascii=False, indent=1))
+    with _lab_server(home, copies, [CH0], locale="zh_CN") as served:
+        yield served, nb
+
+
+def test_a_chinese_copy_answers_a_wrong_answer_in_chinese(lab_zh) -> None:
+    (browser, base, token), nb = lab_zh
+    state = _open(browser, base, token, CH0, _markdown_cells(nb))
+    text = "\n".join(state["md"])
+    assert re.search(r"[\u4e00-\u9fff]", text), "the copy's prose is not Chinese"
+    assert not state["errors"], state["errors"]
+    menus = browser.evaluate(
+        "[...document.querySelectorAll('.lm-MenuBar-itemLabel')].map(e => e.textContent)")
+    assert "运行" in menus, f"JupyterLab's menus read {menus}"
+    _click(browser, ".lm-MenuBar-itemLabel", "运行")
+    _click(browser, ".lm-Menu-itemLabel", "运行所有单元格")
+    deadline = time.monotonic() + 240
+    while True:
+        time.sleep(2)
+        outputs = browser.evaluate(OUTPUTS_JS)
+        wrong = [o for o in outputs if "还不对" in o or "Not yet" in o]
+        if wrong:
+            break
+        assert time.monotonic() < deadline, f"no verdict; outputs: {outputs[-3:]}"
+    time.sleep(1)
+    browser.evaluate("""(async () => {
+      const out = [...document.querySelectorAll(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output')]
+        .find(e => e.textContent.includes('还不对'));
+      if (out) out.scrollIntoView({block: "center"});
+      await new Promise(r => setTimeout(r, 500));
+    })()""")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.capture().save(SHOTS / "lab-zh-00-wrong.png")
+    verdict = wrong[0]
+    assert "还不对" in verdict and "Not yet" not in verdict, verdict
+    assert "你预测的是" in verdict, verdict  # the checker's own sentence, translated

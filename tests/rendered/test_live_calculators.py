@@ -28,6 +28,7 @@ from dtlib.chapters.ch01_memory import live as ch01
 from dtlib.chapters.ch11_multi_dim import live as ch11
 from dtlib.memory import estimate
 from dtlib.planner import search
+from dtlib.runtime.i18n import _, speaking
 
 ROOT = Path(__file__).resolve().parents[2]
 HTML = Path(os.environ.get("DTLIB_BOOK_HTML", ROOT / "_build" / "html")).resolve()
@@ -45,7 +46,10 @@ CALCULATORS = {
 }
 
 
-def _page(stem: str) -> Path | None:
+def _page(stem: str, lang: str = "en") -> Path | None:
+    if lang != "en":  # the Chinese edition exists only in the whole book's build
+        path = HTML / lang / "notebooks" / f"{stem}.html"
+        return path if path.is_file() else None
     single = ROOT / "_build" / "_page" / f"notebooks-{stem}" / "html" / f"{stem}.html"
     for path in (HTML / "notebooks" / f"{stem}.html", single):
         if path.is_file():
@@ -61,21 +65,31 @@ def fixed(x: float, digits: int) -> str:
     return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
 
 
-def expected_memory(settings: dict) -> dict[str, str]:
+def expected_memory(settings: dict, lang: str = "en") -> dict[str, str]:
     e = estimate(ch01.page_config(settings))
     shown = {part: fixed(getattr(e, part) / 1e9, 2) for part in ch01.PARTS}
     shown["total"] = fixed(e.total / 1e9, 2)
     gb = settings["device_gb"]
-    shown["verdict"] = (f"{'fits' if e.fits(gb) else 'does not fit'} in one "
-                        f"{gb} GB device")
+    with speaking(lang):  # the page's language: its verdict from dtlib's catalog
+        verdict = (_("fits in one {gb} GB device") if e.fits(gb)
+                   else _("does not fit in one {gb} GB device"))
+    shown["verdict"] = verdict.format(gb=gb)
+    if lang == "en":  # the English words, spelled out: the catalog is not the truth
+        assert shown["verdict"] == (f"{'fits' if e.fits(gb) else 'does not fit'} in "
+                                    f"one {gb} GB device")
     return shown
 
 
-def expected_planner(settings: dict) -> dict[str, object]:
+def expected_planner(settings: dict, lang: str = "en") -> dict[str, object]:
     ranked = search(*ch11.page_problem(settings))
     top = ranked[:ch11.TOP]
-    return {"count": (f"{len(ranked)} configurations fit; the fastest {len(top)}:"
-                      if ranked else "no configuration fits"),
+    with speaking(lang):
+        count = (_("{n} configurations fit; the fastest {k}:").format(
+            n=len(ranked), k=len(top)) if ranked else _("no configuration fits"))
+    if lang == "en":
+        assert count == (f"{len(ranked)} configurations fit; the fastest {len(top)}:"
+                         if ranked else "no configuration fits")
+    return {"count": count,
             "ranked": [[str(i + 1), c.label(), fixed(e.step_time_s, 2),
                         fixed(e.memory_per_gpu_bytes / 1e9, 1)]
                        for i, (c, e) in enumerate(top)]}
@@ -170,12 +184,19 @@ def test_browser_runs_as_a_reader_s_does() -> None:
     assert not [f for f in FLAGS if "file-access" in f or "disable-web-security" in f]
 
 
+LABELS_JS = """
+(() => [...document.getElementById(%(id)s).querySelectorAll("label, th, strong")]
+    .map(e => e.innerText.trim()))()
+"""
+
+
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
 @pytest.mark.parametrize("stem", list(CALCULATORS))
-def test_calculator_shows_dtlib_numbers(browser: Browser, stem: str) -> None:
+def test_calculator_shows_dtlib_numbers(browser: Browser, stem: str, lang: str) -> None:
     ident, controls = CALCULATORS[stem]
-    page = _page(stem)
+    page = _page(stem, lang)
     if page is None:
-        _missing(stem)
+        _missing(f"{lang}/{stem}" if lang != "en" else stem)
     requests = browser.load(page.as_uri())
     state = browser.evaluate(READY_JS % {"id": repr(ident),
                                          "timeout": START_TIMEOUT_MS})
@@ -196,7 +217,12 @@ def test_calculator_shows_dtlib_numbers(browser: Browser, stem: str) -> None:
         shown = browser.evaluate(SET_AND_READ_JS % {"id": repr(ident),
                                                     "indices": indices})
         values = {k: controls[k][i] for k, i in indices.items()}
-        assert shown == EXPECTED[stem](values), f"{stem} at {values}"
+        assert shown == EXPECTED[stem](values, lang), f"{stem} ({lang}) at {values}"
+    # Its words in the page's language only: each label reads as one language.
+    labels = browser.evaluate(LABELS_JS % {"id": repr(ident)})
+    cjk = [bool(re.search(r"[\u4e00-\u9fff]", t)) for t in labels
+           if t and t != "GB"]  # a unit, the same in both
+    assert labels and (all(cjk) if lang == "zh_CN" else not any(cjk)), labels
 
     left, top, right, bottom, ratio = browser.evaluate(RECT_JS % {"id": repr(ident)})
     shot = browser.capture()
@@ -204,7 +230,7 @@ def test_calculator_shows_dtlib_numbers(browser: Browser, stem: str) -> None:
     box = (max(0, round(left * ratio) - 8), max(0, round(top * ratio) - 8),
            min(shot.width, round(right * ratio) + 8),
            min(shot.height, round(bottom * ratio) + 8))
-    shot.crop(box).save(SHOTS / f"live_{stem}.png")
+    shot.crop(box).save(SHOTS / f"live_{'' if lang == 'en' else lang + '_'}{stem}.png")
 
 
 @pytest.mark.parametrize("stem", list(CALCULATORS))

@@ -6,10 +6,11 @@ math element typeset (MathJax output present, so its assets were found locally);
 the page loads comes from off-site; no measured quantity printed as inf/nan; no library
 traceback frame in an output; every image has alt text; no figure is shrunk so far that
 its labels fall under 9 pt; no shown code cell only glues values; no code block
-scrolls sideways at 1280 px. A full-page screenshot of each chapter goes to
-`_build/screenshots/` for review, stitched from viewport tiles whose seams are checked
-(each tile overlaps the previous one and must agree with it there; no band repeated
-across a seam).
+scrolls sideways at 1280 px. The pages of both editions are checked (the Chinese one
+is `_build/html/zh_CN`). A full-page screenshot of each chapter goes to
+`_build/screenshots/` for review (a Chinese chapter's as `zh_CN-<chapter>.png`),
+stitched from viewport tiles whose seams are checked (each tile overlaps the previous
+one and must agree with it there; no band repeated across a seam).
 
 `make test` skips this module when there is no built book (or no Chromium);
 `make check-book` (run by `.ci/run` after `make book`) sets DTLIB_REQUIRE_BOOK=1, which
@@ -164,6 +165,18 @@ def rendered() -> dict[str, dict]:
     return facts
 
 
+def _shot(name: str) -> Path:
+    """The screenshot of page ``name`` (``notebooks/01_memory.html``, or the Chinese
+    edition's ``zh_CN/notebooks/01_memory.html`` as ``zh_CN-01_memory.png``)."""
+    rel = Path(name)
+    prefix = "zh_CN-" if rel.parts[0] == "zh_CN" else ""
+    return SHOTS / f"{prefix}{rel.stem}.png"
+
+
+def _is_chapter(name: str) -> bool:
+    return name.removeprefix("zh_CN/").startswith("notebooks/")
+
+
 @pytest.fixture(scope="module")
 def screenshots() -> dict[str, dict]:
     """A full-page screenshot of every chapter, saved to SHOTS: per chapter its
@@ -175,10 +188,10 @@ def screenshots() -> dict[str, dict]:
     try:
         for page in _pages():
             name = str(page.relative_to(HTML))
-            if not name.startswith("notebooks/"):
+            if not _is_chapter(name):
                 continue
             browser.load(page.as_uri())
-            seams, bad = browser.screenshot(SHOTS / (page.stem + ".png"))
+            seams, bad = browser.screenshot(_shot(name))
             shots[name] = {"seams": seams, "seam_mismatches": bad}
     finally:
         browser.close()
@@ -272,8 +285,8 @@ def test_figures_are_legible_at_page_width(rendered: dict[str, dict]) -> None:
 
 def test_each_chapter_has_a_screenshot(rendered: dict[str, dict],
                                        screenshots: dict[str, dict]) -> None:
-    chapters = [Path(p).stem for p in rendered if p.startswith("notebooks/")]
-    missing = [c for c in chapters if not (SHOTS / f"{c}.png").is_file()]
+    chapters = [p for p in rendered if _is_chapter(p)]
+    missing = [c for c in chapters if not _shot(c).is_file()]
     assert not missing, f"no screenshot for {missing} in {SHOTS}"
 
 
@@ -289,7 +302,7 @@ def test_screenshots_repeat_no_band_at_a_seam(screenshots: dict[str, dict]) -> N
 
     found = {}
     for page, f in screenshots.items():
-        with Image.open(SHOTS / (Path(page).stem + ".png")) as image:
+        with Image.open(_shot(page)) as image:
             image = image.convert("RGB")
             bands = [f"{k} rows at {seam}" for seam in f["seams"]
                      if (k := repeated_band(image, seam))]

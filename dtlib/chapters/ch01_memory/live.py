@@ -17,7 +17,8 @@ import json
 from typing import Any
 
 from dtlib.chapters.ch01_memory.figures import preset_config
-from dtlib.chapters.live import LiveCalculator, coded_table, select
+from dtlib.chapters.live import LiveCalculator, both, coded_table, in_both, select
+from dtlib.runtime.i18n import N_
 from dtlib.memory.formulas import ATTENTION, OPTIMIZERS, PRECISIONS, RECOMPUTE, estimate
 
 __all__ = ["CONTROLS", "DEFAULTS", "memory_calculator", "memory_grid", "page_config"]
@@ -41,11 +42,14 @@ DEFAULTS: dict[str, Any] = {
     "preset": "GPT-3 6.7B", "precision": "mixed", "optimizer": "adam",
     "zero_stage": 0, "dp": 8, "micro_batch": 1, "seq_len": 2048, "recompute": "none",
     "attention": "explicit", "device_gb": 80}
-_LABELS = {"preset": "model", "precision": "precision", "optimizer": "optimizer",
-           "zero_stage": "ZeRO stage", "dp": "data-parallel GPUs",
-           "micro_batch": "micro-batch", "seq_len": "sequence length",
-           "recompute": "recomputation", "attention": "attention",
-           "device_gb": "device GB"}
+_LABELS = {"preset": N_("model"), "precision": N_("precision"),
+           "optimizer": N_("optimizer"), "zero_stage": N_("ZeRO stage"),
+           "dp": N_("data-parallel GPUs"), "micro_batch": N_("micro-batch"),
+           "seq_len": N_("sequence length"), "recompute": N_("recomputation"),
+           "attention": N_("attention"), "device_gb": N_("device GB")}
+_BAR_NOTE = N_("One bar: the parts stacked; the dashed line is the device's memory.")
+_PART_NAMES = {"params": N_("parameters"), "grads": N_("gradients"),
+               "optimizer": N_("optimizer state"), "activations": N_("activations")}
 # The parts the grid's two tables hold, and what each depends on.
 _STATE_KEYS = ("preset", "seq_len", "precision", "optimizer", "zero_stage", "dp")
 _ACT_KEYS = ("preset", "seq_len", "precision", "micro_batch", "recompute", "attention")
@@ -122,8 +126,8 @@ function update() {
   });
   out("total").textContent = fixed(total / 1e9, 2);
   root.querySelector(".dtlib-limit").style.left = (100 * device / top) + "%%";
-  out("verdict").textContent = (total <= device ? "fits" : "does not fit")
-      + ` in one ${pick("device_gb")[1]} GB device`;
+  out("verdict").textContent = tr(total <= device ? %(fits)s : %(no_fit)s)
+      .replace("{gb}", pick("device_gb")[1]);
 }
 """
 
@@ -139,23 +143,27 @@ def memory_calculator() -> LiveCalculator:
     controls = "".join(select(k, _LABELS[k], v, DEFAULTS[k])
                        for k, v in CONTROLS.items())
     rows = "".join(f'<tr><td><span class="dtlib-swatch" style="background:{c}">'
-                   f'</span>{p}</td><td data-out="{p}"></td></tr>'
+                   f'</span>{both(_PART_NAMES[p])}</td><td data-out="{p}"></td></tr>'
                    for p, c in zip(PARTS, _COLORS))
     bar = "".join(f'<span data-part="{p}"></span>' for p in PARTS)
     outputs = (f'<div class="dtlib-bar">{bar}<div class="dtlib-limit"></div></div>'
-               "<p><small>One bar: the parts stacked; the dashed line is the "
-               "device's memory.</small></p>"
-               '<table class="table"><thead><tr><th>per device</th><th>GB</th></tr>'
-               f'</thead><tbody>{rows}<tr><td><b>total</b></td>'
+               f"<p><small>{both(_BAR_NOTE)}</small></p>"
+               f'<table class="table"><thead><tr><th>{both(N_("per device"))}</th>'
+               f'<th>GB</th></tr></thead><tbody>{rows}<tr><td><b>'
+               f'{both(N_("total"))}</b></td>'
                '<td data-out="total"></td></tr></tbody></table>'
                '<p data-out="verdict"></p>')
     script = _SCRIPT % {"parts": json.dumps(PARTS), "colors": json.dumps(_COLORS),
                         "state_keys": json.dumps(_STATE_KEYS),
-                        "act_keys": json.dumps(_ACT_KEYS)}
-    fallback = ("The live calculator needs JavaScript; the table above is the same "
-                "estimate for a few presets. In JupyterLab (<code>make lab</code>) "
-                "the planner widget above is live.")
+                        "act_keys": json.dumps(_ACT_KEYS),
+                        "fits": json.dumps(in_both(N_("fits in one {gb} GB device")),
+                                           ensure_ascii=False),
+                        "no_fit": json.dumps(in_both(N_("does not fit in one {gb} GB "
+                                                        "device")), ensure_ascii=False)}
+    fallback = N_("The live calculator needs JavaScript; the table above is the same "
+                  "estimate for a few presets. In JupyterLab (<code>make lab</code>) "
+                  "the planner widget above is live.")
     return LiveCalculator("ch1-memory-calculator",
-                          "Memory per device (GB = 10⁹ bytes), computed by "
-                          "dtlib.memory.estimate", controls, outputs, memory_grid(),
+                          N_("Memory per device (GB = 10⁹ bytes), computed by "
+                             "dtlib.memory.estimate"), controls, outputs, memory_grid(),
                           script, fallback)

@@ -14,9 +14,10 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from dtlib.chapters.live import LiveCalculator, select
+from dtlib.chapters.live import LiveCalculator, both, in_both, select
 from dtlib.planner import ClusterSpec, ModelSpec, search
 from dtlib.planner.published import GPT_VOCAB, LLAMA3_405B
+from dtlib.runtime.i18n import N_
 
 __all__ = ["CONTROLS", "DEFAULTS", "MODELS", "TOP", "page_problem",
            "planner_calculator", "planner_grid"]
@@ -38,8 +39,10 @@ CONTROLS: dict[str, list[Any]] = {
 }
 DEFAULTS: dict[str, Any] = {"model": "GPT-3 175B", "n_gpus": 1024, "memory_gib": 80,
                             "global_batch": 2048, "seq_len": 2048}
-_LABELS = {"model": "model", "n_gpus": "GPUs", "memory_gib": "GPU memory (GiB)",
-           "global_batch": "global batch (sequences)", "seq_len": "sequence length"}
+_LABELS = {"model": N_("model"), "n_gpus": N_("GPUs"),
+           "memory_gib": N_("GPU memory (GiB)"),
+           "global_batch": N_("global batch (sequences)"),
+           "seq_len": N_("sequence length")}
 #: Configurations shown per setting, fastest first.
 TOP = 5
 # The A100 of the chapter's Megatron-LM runs (40 or 80 GiB: the control sets it).
@@ -87,8 +90,9 @@ def planner_grid() -> dict[str, Any]:
 _SCRIPT = """
 function update() {
   const [n, top] = %(keys)s.reduce((t, k) => t[pick(k)[0]], grid.rankings);
-  out("count").textContent = n ? `${n} configurations fit; the fastest ${top.length}:`
-                               : "no configuration fits";
+  out("count").textContent = n ? tr(%(count)s).replace("{n}", n)
+                                   .replace("{k}", top.length)
+                               : tr(%(none)s);
   out("ranked").innerHTML = top.map(([label, step, mem], i) =>
       `<tr><td>${i + 1}</td><td>${label}</td><td>${fixed(step, 2)}</td>` +
       `<td>${fixed(mem / 1e9, 1)}</td></tr>`).join("");
@@ -106,14 +110,18 @@ def planner_calculator() -> LiveCalculator:
     """
     controls = "".join(select(k, _LABELS[k], v, DEFAULTS[k])
                        for k, v in CONTROLS.items())
-    outputs = ('<p data-out="count"></p><table class="table"><thead><tr><th>rank</th>'
-               "<th>configuration</th><th>step (s)</th>"
-               "<th>memory per GPU (GB)</th></tr>"
+    heads = "".join(f"<th>{both(h)}</th>" for h in (
+        N_("rank"), N_("configuration"), N_("step (s)"), N_("memory per GPU (GB)")))
+    outputs = (f'<p data-out="count"></p><table class="table"><thead><tr>{heads}</tr>'
                '</thead><tbody data-out="ranked"></tbody></table>')
-    fallback = ("The live planner needs JavaScript; the table above is its ranking "
-                "for GPT-3 175B on 768 A100s. In JupyterLab (<code>make lab</code>) "
-                "call <code>search</code> with your own model and GPUs.")
-    return LiveCalculator("ch11-planner", "Fastest configurations that fit, ranked "
-                          "by dtlib.planner.search (A100 GPUs, 8 per node)", controls,
-                          outputs, planner_grid(),
-                          _SCRIPT % {"keys": json.dumps(list(CONTROLS))}, fallback)
+    fallback = N_("The live planner needs JavaScript; the table above is its ranking "
+                  "for GPT-3 175B on 768 A100s. In JupyterLab (<code>make lab</code>) "
+                  "call <code>search</code> with your own model and GPUs.")
+    words = {"count": in_both(N_("{n} configurations fit; the fastest {k}:")),
+             "none": in_both(N_("no configuration fits"))}
+    script = _SCRIPT % {"keys": json.dumps(list(CONTROLS)),
+                        **{k: json.dumps(v, ensure_ascii=False)
+                           for k, v in words.items()}}
+    return LiveCalculator("ch11-planner", N_("Fastest configurations that fit, ranked "
+                          "by dtlib.planner.search (A100 GPUs, 8 per node)"), controls,
+                          outputs, planner_grid(), script, fallback)

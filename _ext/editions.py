@@ -1,0 +1,48 @@
+"""Sphinx extension: every page links to the same page in the other edition.
+
+The English edition is built into ``_build/html`` and the Chinese one into
+``_build/html/zh_CN`` from the same executed notebooks. Each page gets a link, by a
+relative path, to its twin: it works from ``file://`` with no server and offline, which
+is how most readers open the book. ``<link rel="alternate" hreflang=...>`` tells a
+browser (and a search engine, where the book is served) the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: language -> (the folder of its edition under _build/html, its name in itself).
+EDITIONS = {"en": ("", "English"), "zh_CN": ("zh_CN", "中文")}
+
+
+def twin_href(pagename: str, language: str) -> tuple[str, str, str]:
+    """The relative address of ``pagename`` in the other edition, its language and name.
+
+    Args:
+        pagename: Sphinx's page name (``notebooks/01_memory``).
+        language: the language of the edition being built (``en`` or ``zh_CN``).
+    """
+    here = EDITIONS.get(language, EDITIONS["en"])[0]
+    other = "en" if here else "zh_CN"
+    there, name = EDITIONS[other]
+    up = "../" * (pagename.count("/") + (1 if here else 0))
+    return f"{up}{there + '/' if there else ''}{pagename}.html", other, name
+
+
+def _add_link(app: Any, pagename: str, templatename: str, context: dict,
+              doctree: Any) -> None:
+    if doctree is None or "body" not in context:
+        return
+    href, other, _ = twin_href(pagename, app.config.language or "en")
+    lang = other.replace("_", "-")
+    label = "Read this page in English" if other == "en" else "阅读本页中文版"
+    context["body"] = (
+        f'<p class="edition-switch"><a href="{href}" hreflang="{lang}" lang="{lang}">'
+        f'{label}</a></p>\n' + context["body"])
+    context["metatags"] = context.get("metatags", "") + (
+        f'\n<link rel="alternate" hreflang="{lang}" href="{href}" />')
+
+
+def setup(app: Any) -> dict:
+    app.connect("html-page-context", _add_link)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

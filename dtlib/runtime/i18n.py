@@ -1,0 +1,104 @@
+"""The language of dtlib's own sentences: checkers' feedback, hang reports, errors.
+
+Messages are marked with :func:`_` (``_("Not yet")``, ``_("{n} ranks").format(n=n)``)
+and translated through Python's :mod:`gettext`, domain ``dtlib``, from the catalog
+``dtlib/locale/<lang>/LC_MESSAGES/dtlib.po`` (compiled to ``dtlib.mo`` with Babel by
+``make``; read straight from the ``.po`` when the ``.mo`` is missing, as in a fresh
+editable install). The language is ``DTLIB_LANG`` (``en`` or ``zh_CN``; a learner
+copy made with ``make exercises LANG=zh_CN`` sets it in its first cell with
+:func:`use`), so ranks a notebook starts inherit it.
+
+Taught in: the README, "The Chinese edition".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gettext
+import os
+from pathlib import Path
+from typing import Iterator
+
+DOMAIN = "dtlib"
+LOCALE_DIR = Path(__file__).resolve().parents[1] / "locale"
+#: Languages with a catalog (English is the source and needs none).
+LANGUAGES = ("en", "zh_CN")
+ENV = "DTLIB_LANG"
+
+
+def language() -> str:
+    """The language dtlib speaks now: ``DTLIB_LANG``, else English."""
+    lang = os.environ.get(ENV, "").strip() or "en"
+    return lang if lang in LANGUAGES else "en"
+
+
+def use(lang: str) -> None:
+    """Speak ``lang`` from now on, here and in every process started from here.
+
+    Raises:
+        ValueError: ``lang`` has no catalog.
+    """
+    if lang not in LANGUAGES:
+        raise ValueError(f"lang={lang!r}: dtlib speaks {', '.join(LANGUAGES)}")
+    os.environ[ENV] = lang
+
+
+@contextlib.contextmanager
+def speaking(lang: str) -> Iterator[None]:
+    """Speak ``lang`` inside the ``with`` block only (a learner copy's language).
+
+    Raises:
+        ValueError: ``lang`` has no catalog.
+    """
+    before = os.environ.get(ENV)
+    use(lang)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+
+
+@functools.lru_cache(maxsize=None)
+def _translations(lang: str) -> gettext.NullTranslations:
+    if lang == "en":
+        return gettext.NullTranslations()
+    mo = LOCALE_DIR / lang / "LC_MESSAGES" / f"{DOMAIN}.mo"
+    po = mo.with_suffix(".po")
+    if mo.is_file() and (not po.is_file() or mo.stat().st_mtime >= po.stat().st_mtime):
+        with open(mo, "rb") as f:
+            return gettext.GNUTranslations(f)
+    if po.is_file():  # no compiled catalog (a fresh checkout): compile it in memory
+        try:
+            import io
+
+            from babel.messages.mofile import write_mo
+            from babel.messages.pofile import read_po
+        except ImportError:  # pragma: no cover - babel is in the book's extra
+            return gettext.NullTranslations()
+        with open(po, "rb") as f:
+            catalog = read_po(f, locale=lang)
+        buf = io.BytesIO()
+        write_mo(buf, catalog)
+        buf.seek(0)
+        return gettext.GNUTranslations(buf)
+    return gettext.NullTranslations()
+
+
+def _(message: str) -> str:
+    """``message`` in the current language (itself where it has no translation)."""
+    return _translations(language()).gettext(message)
+
+
+def N_(message: str) -> str:
+    """Mark ``message`` for the catalog without translating it now (gettext's
+    convention for a table of messages translated where they are shown)."""
+    return message
+
+
+def ngettext(singular: str, plural: str, n: int) -> str:
+    """The singular or plural of a message for ``n``, in the current language."""
+    return _translations(language()).ngettext(singular, plural, n)

@@ -1,0 +1,197 @@
+"""The Chinese edition cannot drift from the English one.
+
+Its prose is the gettext catalogs in ``locale/zh_CN``; these tests fail, naming the
+message and the file, when an English sentence changed and its translation did not,
+when a message is untranslated or fuzzy, when a translation drops, adds or changes a
+role, a glue name, math, inline code, a link or a number, and when a glossary term is
+translated another way. Each check is shown catching a planted defect.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import polib
+import pytest
+
+from dtlib.exercises import catalogs
+
+ROOT = catalogs.ROOT
+LANG_DIR = ROOT / "locale" / "zh_CN" / "LC_MESSAGES"
+
+
+def _report(found, limit=40):
+    lines = [str(p) for p in found[:limit]]
+    more = f"\n... and {len(found) - limit} more" if len(found) > limit else ""
+    return "\n".join(lines) + more
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    return catalogs.extract(ROOT, tmp_path_factory.mktemp("pot"))
+
+
+def test_every_page_has_a_catalog_in_step_with_its_english(extracted):
+    found = catalogs.out_of_step(extracted, LANG_DIR)
+    assert not found, f"{len(found)} message(s) out of step:\n{_report(found)}"
+
+
+def test_every_message_is_translated_keeping_what_must_pass_through():
+    found = catalogs.problems()
+    assert not found, f"{len(found)} problem(s):\n{_report(found)}"
+
+
+def test_an_english_edit_leaves_its_stale_translation_named(tmp_path):
+    # a checkout with one sentence of Chapter 3 changed, extracted as `make po` does
+    copy = tmp_path / "book"
+    for name in ("_config.yml", "_toc.yml", "_ext", "_static", "book", "notebooks"):
+        src = ROOT / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, copy / name)
+    nb = copy / "notebooks" / "03_data_parallel.ipynb"
+    text = nb.read_text(encoding="utf-8")
+    old = "Each rank must see a different part of the data"
+    assert old in text
+    nb.write_text(text.replace(old, "Every rank must read its own part of the data"),
+                  encoding="utf-8")
+    pots = catalogs.extract(copy, tmp_path / "pot")
+    found = catalogs.out_of_step(pots, LANG_DIR)
+    pages = {p.po for p in found}
+    assert pages == {"locale/zh_CN/LC_MESSAGES/notebooks/03_data_parallel.po"}, _report(found)
+    new = [p for p in found if "new or changed" in p.what]
+    gone = [p for p in found if "any more" in p.what]
+    assert len(new) == 1 and new[0].msgid.startswith("Every rank must read")
+    assert len(gone) == 1 and gone[0].msgid.startswith(old)
+
+
+def _entry_with(needle: str) -> polib.POEntry:
+    for po in catalogs.catalog_files():
+        for e in polib.pofile(str(po)):
+            if needle in e.msgid and e.msgstr and needle in e.msgstr:
+                return e
+    pytest.fail(f"no translated message keeps {needle!r}")
+
+
+def test_a_translation_missing_a_glue_role_is_caught():
+    e = _entry_with("{glue:text}`ch3_true_mean:.1f`")
+    assert catalogs.entry_problems(e.msgid, e.msgstr) == []
+    planted = e.msgstr.replace("{glue:text}`ch3_true_mean:.1f`", "4.5")
+    found = catalogs.entry_problems(e.msgid, planted)
+    assert any("drops ['{glue:text}`ch3_true_mean:.1f`']" in f for f in found), found
+
+
+@pytest.mark.parametrize("kept, planted", [
+    ("`drop_last=False`", "`drop_last=True`"),           # inline code changed
+    ("$\\lceil 10/4 \\rceil = 3$", "$\\lceil 10/4 \\rceil$"),  # math changed
+    ("{cite:p}`li2020pytorch`", "{cite:p}`li2020`"),      # citation key changed
+])
+def test_a_translation_that_changes_code_math_or_a_citation_is_caught(kept, planted):
+    e = _entry_with(kept)
+    found = catalogs.entry_problems(e.msgid, e.msgstr.replace(kept, planted))
+    assert any("drops" in f and "adds" in f for f in found), found
+
+
+def test_a_titled_role_keeps_its_target_and_may_translate_its_title():
+    en = "It assumes {doc}`Chapter 2 <02_collectives>`."
+    assert catalogs.entry_problems(en, "它假定读过 {doc}`第 2 章 <02_collectives>`。") == []
+    found = catalogs.entry_problems(en, "它假定读过 {doc}`第 2 章 <03_data_parallel>`。")
+    assert any("{doc}<02_collectives>" in f for f in found), found
+
+
+def test_a_changed_number_is_caught():
+    en = "With 10 samples and 4 ranks, 10 is not a multiple of 4."
+    assert catalogs.entry_problems(en, "10 个样本、4 个 rank：10 不是 4 的倍数。") == []
+    found = catalogs.entry_problems(en, "10 个样本、8 个 rank：10 不是 4 的倍数。")
+    assert any(f.startswith("numbers differ") for f in found), found
+
+
+def test_an_inconsistent_term_is_caught():
+    terms = catalogs.glossary()
+    e = _entry_with("数据并行")
+    assert catalogs.entry_problems(e.msgid, e.msgstr, terms=terms) == []
+    found = catalogs.entry_problems(e.msgid, e.msgstr.replace("数据并行", "数据平行"),
+                                    terms=terms)
+    assert any("'数据并行'" in f for f in found), found
+    # a term that stays in English must stay: "rank" rendered as 进程 is caught
+    en = "Each rank reads its own shard."
+    assert catalogs.entry_problems(en, "每个 rank 读取自己的分片。", terms=terms) == []
+    found = catalogs.entry_problems(en, "每个进程读取自己的分片。", terms=terms)
+    assert any("'rank'" in f for f in found), found
+
+
+def test_untranslated_and_fuzzy_messages_are_caught(tmp_path):
+    po = polib.POFile()
+    po.append(polib.POEntry(msgid="Memory, measured", msgstr=""))
+    po.append(polib.POEntry(msgid="Communication per step", msgstr="每步的通信",
+                            flags=["fuzzy"]))
+    path = tmp_path / "planted.po"
+    po.save(str(path))
+    found = catalogs.problems([path], terms=[])
+    assert [(p.msgid, p.what.split(":")[0]) for p in found] == [
+        ("Memory, measured", "untranslated"), ("Communication per step", "fuzzy")]
+
+
+def test_the_glossary_is_the_page_and_names_its_kept_terms():
+    terms = {t.english: t.chinese for t in catalogs.glossary()}
+    assert terms["data parallelism"] == "数据并行"
+    assert terms["all-reduce"] == "all-reduce"  # stays in English
+    assert all(terms.values())
+    # the word forms the check treats as the term, and those it does not
+    term = catalogs.Term("shard", "分片")
+    assert term.required("each rank's shards") and term.required("sharding a model")
+    assert not term.required("`shard` is a function") and not term.required("shardless")
+
+
+# dtlib's own sentences: the checkers' feedback, the tool's notes (domain "dtlib")
+
+DTLIB_PO = ROOT / "dtlib" / "locale" / "zh_CN" / "LC_MESSAGES" / "dtlib.po"
+
+
+def _dtlib_messages() -> set[str]:
+    from babel.messages.extract import extract_from_dir
+
+    found = extract_from_dir(str(ROOT / "dtlib"), method_map=[("**.py", "python")],
+                             keywords={"_": None, "N_": None, "ngettext": (1, 2)})
+    return {m[2] if isinstance(m[2], str) else m[2][0] for m in found}
+
+
+def test_every_dtlib_message_has_a_chinese_translation_with_its_fields():
+    po = {e.msgid: e for e in polib.pofile(str(DTLIB_PO)) if not e.obsolete}
+    marked = _dtlib_messages()
+    missing = sorted(marked - set(po))
+    assert not missing, (f"{len(missing)} message(s) marked with _() are not in "
+                         f"{DTLIB_PO.relative_to(ROOT)} (run make po):\n  "
+                         + "\n  ".join(missing))
+    bad = []
+    for msgid in sorted(marked):
+        e = po[msgid]
+        if not e.msgstr or "fuzzy" in e.flags:
+            bad.append(f"untranslated or fuzzy: {msgid!r}")
+        elif sorted(catalogs.fields(msgid)) != sorted(catalogs.fields(e.msgstr)):
+            bad.append(f"fields {catalogs.fields(msgid)} became "
+                       f"{catalogs.fields(e.msgstr)}: {msgid!r}")
+        elif catalogs.tokens(msgid) != catalogs.tokens(e.msgstr):
+            bad.append(f"inline code changed: {msgid!r}")
+    assert not bad, "\n".join(bad)
+
+
+def test_a_translation_that_renames_a_field_is_caught():
+    assert catalogs.fields("on {world_size} ranks {what} failed:") == [
+        "{world_size}", "{what}"]
+    assert catalogs.fields("在 {world_size} 个 rank 上，{what}出错：") == [
+        "{world_size}", "{what}"]
+    assert catalogs.fields("在 {world} 个 rank 上，{what}出错：") != catalogs.fields(
+        "on {world_size} ranks {what} failed:")
+
+
+@pytest.mark.parametrize("lang, verdict, hint", [
+    ("en", "Not yet", "Hint"), ("zh_CN", "还不对", "提示")])
+def test_feedback_speaks_the_copys_language(monkeypatch, lang, verdict, hint):
+    from dtlib.exercises.feedback import WrongAnswer
+    from dtlib.runtime import i18n
+
+    monkeypatch.setenv(i18n.ENV, lang)
+    exc = WrongAnswer("x", "y")
+    exc.attempt = 2
+    lines = exc._render_traceback_()
+    assert verdict in lines[0] and hint in lines[1]
