@@ -107,6 +107,39 @@ def test_count_checker_rejects_a_collective_under_the_flag() -> None:
     assert "dist.all_reduce(t)" in str(info.value), str(info.value)
 
 
+# ---- chapter 0 in Chinese: the same checks, the feedback of a Chinese learner copy ---
+
+@pytest.fixture
+def chinese(monkeypatch):
+    monkeypatch.setenv("DTLIB_LANG", "zh_CN")  # what the copy's set-up cell does
+
+
+def test_prediction_checker_answers_in_chinese(chinese, capsys) -> None:
+    with pytest.raises(WrongAnswer, match="world_size=.*你预测的是") as info:
+        check_all_reduce_prediction(lambda n, rank: PAGE_TABLE.get(n, 0.0))
+    assert "all-reduce 之后每个 rank 持有相同的值" in info.value.hint
+    check_all_reduce_prediction(lambda n, rank: sum(range(1, n + 1)), seed=3)
+    assert "正确：" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("answer, world_sizes, message", [
+    (lambda flag: int(flag), (2,), "应为"),
+    (ANSWERS["count_on_rank_0_only"], (3,), "rank [12] 返回了"),
+    (ANSWERS["count_for_four_ranks"], (3,), "world_size=3"),
+])
+def test_count_checker_answers_in_chinese(chinese, answer, world_sizes, message) -> None:
+    with pytest.raises(WrongAnswer, match=message) as info:
+        check_count_flagged(answer, world_sizes=world_sizes, seed=0)
+    assert "每个 rank 都必须调用同一个集合通信" in info.value.hint
+
+
+def test_count_checker_reports_a_hang_in_chinese(chinese) -> None:
+    with pytest.raises(WrongAnswer, match="在 3 个 rank 上，你的 count_flagged") as info:
+        check_count_flagged(ANSWERS["count_under_flag"], world_sizes=(3,), seed=0,
+                            timeout=4.0)
+    assert "dist.all_reduce(t)" in str(info.value), str(info.value)
+
+
 # ---- chapter 2: the ring all-gather -------------------------------------------------
 
 # A ring all-gather whose step (the {step} lines) each variant below writes.

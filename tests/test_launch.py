@@ -58,6 +58,21 @@ def test_spawn_deadlock_reports_each_rank(no_leftovers: None) -> None:
     assert "never joined" in report[1] and "time.sleep(600)" in report[1]
 
 
+def test_the_hang_report_speaks_the_learners_language(no_leftovers: None,
+                                                       monkeypatch) -> None:
+    # A Chinese learner copy sets DTLIB_LANG=zh_CN (dtlib.runtime.i18n.use): the report
+    # is the same facts in Chinese, the code and the names as they are.
+    monkeypatch.setenv("DTLIB_LANG", "zh_CN")
+    with pytest.raises(launch.LaunchTimeout) as info:
+        launch.spawn(_deadlock, 2, timeout=3, stream=False)
+    text = str(info.value)
+    report = info.value.report
+    assert "各 rank 当时所在的位置" in text and "集合通信不匹配" in text, text
+    assert "rank 0：在 all_reduce 中" in report[0] and "test_launch.py 第" in report[0]
+    assert "从未与其他 rank 会合" in report[1] and "time.sleep(600)" in report[1]
+    assert "Where each rank was" not in text
+
+
 def test_spawn_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="nproc=0"):
         launch.spawn(_rank_and_sum, 0)

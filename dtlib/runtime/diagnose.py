@@ -18,6 +18,8 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Any
 
+from dtlib.runtime.i18n import N_, _, ngettext
+
 _FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+|^Stack \(most recent")
 _TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(
@@ -184,11 +186,14 @@ def _place(frame: Frame, label: str | None) -> str:
     if label is None:
         file = _real_file(frame)
         if file.startswith("<your "):  # an answer a checker runs: its own lines
-            label = f"your `{frame.func}`, line"
+            where_ = _("your `{func}`, line {line}")
         elif os.sep + "ipykernel_" in file:  # a notebook cell's function
-            label = f"`{frame.func}`, cell line"
+            where_ = _("`{func}`, cell line {line}")
         else:
-            label = f"{os.path.basename(file)} line"
+            where_ = _("{file} line {line}")
+        where_ = where_.format(func=frame.func, line=frame.line,
+                               file=os.path.basename(file))
+        return f"{where_}: {_source(frame)}"
     return f"{label} {frame.line}: {_source(frame)}"
 
 
@@ -201,9 +206,9 @@ def exception_frames(exc: dict | None) -> list[Frame]:
 
 def describe_finished_rank(rank: int, awaited: str | None) -> str:
     """One line for a rank whose program returned normally while others still waited."""
-    what = awaited or "the collective its peers wait in"
-    return (f"rank {rank}: finished without calling {what} "
-            "(its program returned, exit 0)")
+    what = awaited or _("the collective its peers wait in")
+    return _("rank {rank}: finished without calling {what} (its program returned, "
+             "exit 0)").format(rank=rank, what=what)
 
 
 def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | None,
@@ -218,18 +223,21 @@ def describe_hung_rank(rank: int, stack: str | None, alive: bool, script: str | 
     if not alive:
         if finished:
             return describe_finished_rank(rank, awaited)
-        return (f"rank {rank}: had already exited; "
-                "it never called what the others wait in")
+        return _("rank {rank}: had already exited; it never called what the others "
+                 "wait in").format(rank=rank)
     if not stack:
-        return (f"rank {rank}: alive but left no stack "
-                "(still starting up, or not Python)")
+        return _("rank {rank}: alive but left no stack (still starting up, or not "
+                 "Python)").format(rank=rank)
     frame, collective = where(parse_stack(stack), script)
     if frame is None:
-        return f"rank {rank}: no frame of the script on its stack (still importing?)"
+        return _("rank {rank}: no frame of the script on its stack (still "
+                 "importing?)").format(rank=rank)
     place = _place(frame, label)
     if collective:
-        return f"rank {rank}: in {collective} at {place}  <- waiting for its peers"
-    return f"rank {rank}: at {place}  <- not in a collective: never joined the others"
+        return _("rank {rank}: in {collective} at {place}  <- waiting for its "
+                 "peers").format(rank=rank, collective=collective, place=place)
+    return _("rank {rank}: at {place}  <- not in a collective: never joined the "
+             "others").format(rank=rank, place=place)
 
 
 def describe_raised_rank(rank: int, exc: dict, script: str | None,
@@ -237,13 +245,18 @@ def describe_raised_rank(rank: int, exc: dict, script: str | None,
     """Where a rank was when it raised: ``(line, collective or None)``."""
     frame, collective = where([exception_frames(exc)], script)
     if frame is None:
-        return f"rank {rank}: raised {exc['type']}: {exc['message']}", None
+        return _("rank {rank}: raised {type}: {message}").format(
+            rank=rank, type=exc["type"], message=exc["message"]), None
     place = _place(frame, label)
     if collective and is_peer_loss(exc):
-        return (f"rank {rank}: in {collective} at {place}  <- waiting for its peers "
-                "when they left"), collective
-    what = f"in {collective} " if collective else ""
-    return f"rank {rank}: raised {exc['type']} {what}at {place}", collective
+        return _("rank {rank}: in {collective} at {place}  <- waiting for its peers "
+                 "when they left").format(rank=rank, collective=collective,
+                                          place=place), collective
+    if collective:
+        return _("rank {rank}: raised {type} in {collective} at {place}").format(
+            rank=rank, type=exc["type"], collective=collective, place=place), collective
+    return _("rank {rank}: raised {type} at {place}").format(
+        rank=rank, type=exc["type"], place=place), collective
 
 
 def finished_mismatch(nproc: int, exceptions: dict[int, dict], finished: set[int],
@@ -274,20 +287,23 @@ def finished_mismatch(nproc: int, exceptions: dict[int, dict], finished: set[int
             if collective:
                 waits[r] = collective
         else:
-            lines[r] = f"rank {r}: stopped by the launcher (it left no record)"
+            lines[r] = _("rank {rank}: stopped by the launcher (it left no "
+                         "record)").format(rank=r)
     awaited = next(iter(waits.values()), None)
     for r in finished:
         lines[r] = describe_finished_rank(r, awaited)
     done = sorted(finished)
-    head = (f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished "
-            f"without calling {awaited or 'the collective the others wait in'}")
+    head = ngettext("rank {ranks} finished without calling {what}",
+                    "ranks {ranks} finished without calling {what}", len(done)).format(
+        ranks=", ".join(map(str, done)),
+        what=awaited or _("the collective the others wait in"))
     if waits:
-        head += (f", which rank{'s' if len(waits) > 1 else ''} "
-                 f"{', '.join(map(str, sorted(waits)))} "
-                 f"wait{'' if len(waits) > 1 else 's'} in")
+        head += ngettext(", which rank {ranks} waits in", ", which ranks {ranks} wait in",
+                         len(waits)).format(ranks=", ".join(map(str, sorted(waits))))
     report = [lines[r] for r in range(nproc)]
-    msg = (f"{head}. Nothing crashed: the ranks did not call the same collectives.\n"
-           "Where each rank was:\n  " + "\n  ".join(report) + "\n" + HANG_HINT)
+    msg = (_("{head}. Nothing crashed: the ranks did not call the same "
+             "collectives.").format(head=head) + "\n" + _("Where each rank was:")
+           + "\n  " + "\n  ".join(report) + "\n" + _(HANG_HINT))
     return msg, report
 
 
@@ -298,16 +314,18 @@ def mismatch_summary(stacks: dict[int, str], script: str | None) -> str | None:
         frame, collective = where(parse_stack(text), script)
         if frame is None:
             continue
-        key = f"{collective or 'no collective'} (line {frame.line})"
+        key = _("{collective} (line {line})").format(
+            collective=collective or _("no collective"), line=frame.line)
         places.setdefault(key, []).append(rank)
     if len(places) < 2:
         return None
-    parts = [f"{key} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-             for key, r in places.items()]
-    return "The ranks are not in the same call: " + "; ".join(parts) + "."
+    parts = [ngettext("{key} on rank {ranks}", "{key} on ranks {ranks}", len(r)).format(
+        key=key, ranks=", ".join(map(str, r))) for key, r in places.items()]
+    return _("The ranks are not in the same call: {parts}.").format(
+        parts="; ".join(parts))
 
 
-HANG_HINT = (
+HANG_HINT = N_(
     "The usual cause is a collective mismatch: a rank that never calls the "
     "collective its peers wait in (a collective under 'if rank == 0:', a "
     "different number of calls per rank, or a rank stuck elsewhere)."

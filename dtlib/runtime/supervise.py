@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from dtlib.runtime import diagnose, worker
+from dtlib.runtime.i18n import _
 
 
 #: Seconds a launch may spend starting (importing torch, joining the world) before its
@@ -255,17 +256,22 @@ class Supervisor:
 
     def interrupt_report(self, script: str | None) -> str:
         """Where each rank was when the reader interrupted the launch."""
-        report, _ = self.where_each_rank_is(script, wait_s=1.0)
-        return "Interrupted. Where each rank was:\n  " + "\n  ".join(report)
+        report, _stacks = self.where_each_rank_is(script, wait_s=1.0)
+        return (_("Interrupted.") + " " + _("Where each rank was:") + "\n  "
+                + "\n  ".join(report))
 
     def timeout_error(self, timeout: float, script: str | None) -> LaunchTimeout:
         report, stacks = self.where_each_rank_is(script)
         mismatch = diagnose.mismatch_summary(stacks, script)
-        when = ("after every rank had joined the world" if self.joined_at is not None
-                else f"after {STARTUP_S:g} s of start-up (not every rank joined)")
-        msg = (f"launch timed out {timeout:g} s {when}; the ranks were stopped.\n"
-               "Where each rank was:\n  " + "\n  ".join(report) + "\n"
-               + (mismatch + "\n" if mismatch else "") + diagnose.HANG_HINT)
+        if self.joined_at is not None:
+            msg = _("launch timed out {timeout:g} s after every rank had joined the "
+                    "world; the ranks were stopped.").format(timeout=timeout)
+        else:
+            msg = _("launch timed out {timeout:g} s after {startup:g} s of start-up "
+                    "(not every rank joined); the ranks were stopped.").format(
+                        timeout=timeout, startup=STARTUP_S)
+        msg += ("\n" + _("Where each rank was:") + "\n  " + "\n  ".join(report) + "\n"
+                + (mismatch + "\n" if mismatch else "") + _(diagnose.HANG_HINT))
         startup_s = None if self.joined_at is None else self.joined_at - self.start
         return LaunchTimeout(msg, report, self.texts(), startup_s)
 

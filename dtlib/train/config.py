@@ -19,6 +19,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Sequence
 
 from dtlib.models.optimizers import OPTIMIZERS
+from dtlib.runtime.i18n import _
 from dtlib.train.data import TokenWindows, held_out_split
 from dtlib.train.tokens import open_tokens
 
@@ -189,16 +190,17 @@ class TrainConfig:
             object.__setattr__(self, "warmup", min(2, self.steps - 1))
         for name in ("fresh", "async_save"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or "
-                                 "False")
+                raise ValueError(_("{name}={value!r} must be True or False").format(
+                    name=name, value=getattr(self, name)))
         unknown = [n for n in self.allow_change_names if n not in CARE_NAMES]
         if unknown or not isinstance(self.allow_change, str):
-            raise ValueError(f"allow_change={self.allow_change!r} names "
-                             f"{', '.join(map(repr, unknown))}; allowed: a comma-"
-                             f"separated list of {', '.join(CARE_NAMES)}")
+            raise ValueError(_("allow_change={value!r} names {unknown}; allowed: a "
+                               "comma-separated list of {names}").format(
+                value=self.allow_change, unknown=", ".join(map(repr, unknown)),
+                names=", ".join(CARE_NAMES)))
         if not 0 < self.shutdown_timeout < math.inf:
-            raise ValueError(f"shutdown_timeout={self.shutdown_timeout!r} must be "
-                             "finite and > 0")
+            raise ValueError(_("{name}={value!r} must be finite and > 0").format(
+                name="shutdown_timeout", value=self.shutdown_timeout))
         _choice("strategy", self.strategy, STRATEGY_NAMES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("model", self.model, MODELS)
@@ -206,21 +208,26 @@ class TrainConfig:
         _choice("attention", self.attention, ATTENTION)
         _choice("recompute", self.recompute, RECOMPUTE)
         if self.tensorboard is not None and os.path.isfile(self.tensorboard):
-            raise ValueError(f"tensorboard={self.tensorboard!r} is a file; allowed: "
-                             "a directory (it is created if missing)")
+            raise ValueError(_("{name}={value!r} is a file; allowed: a directory (it "
+                               "is created if missing)").format(
+                name="tensorboard", value=self.tensorboard))
         if self.recompute == "selective" and self.model != "gpt":
-            raise ValueError(f"recompute='selective' is implemented for model='gpt' "
-                             f"only, not model={self.model!r}; allowed: none, full")
+            raise ValueError(_("recompute='selective' is implemented for model='gpt' "
+                               "only, not model={model!r}; allowed: none, full").format(
+                model=self.model))
         if self.export_hf is not None and self.model != "hf-llama":
-            raise ValueError(f"export_hf={self.export_hf!r} needs model='hf-llama', "
-                             f"not model={self.model!r}")
+            raise ValueError(_("{name}={value!r} needs model='hf-llama', not "
+                               "model={model!r}").format(
+                name="export_hf", value=self.export_hf, model=self.model))
         for name in ("model_config", "init_from"):
             if getattr(self, name) is not None and self.model != "hf-llama":
-                raise ValueError(f"{name}={getattr(self, name)!r} needs "
-                                 f"model='hf-llama', not model={self.model!r}")
+                raise ValueError(_("{name}={value!r} needs model='hf-llama', not "
+                                   "model={model!r}").format(
+                    name=name, value=getattr(self, name), model=self.model))
         if self.model_config is not None and self.init_from is not None:
-            raise ValueError("model_config and init_from are both set; allowed: one "
-                             "(init_from's directory holds its own config.json)")
+            raise ValueError(_("model_config and init_from are both set; allowed: "
+                               "one (init_from's directory holds its own "
+                               "config.json)"))
         for name in ("n_layers", "hidden", "n_heads", "seq_len", "vocab_size",
                      "micro_batch", "accum_steps", "steps", "dataset_size",
                      "eval_samples"):
@@ -229,52 +236,63 @@ class TrainConfig:
                      "kill_at_step", "save_every", "log_every"):
             _int(name, getattr(self, name), minimum=0)
         if self.hidden % self.n_heads:
-            raise ValueError(f"hidden={self.hidden} must be divisible by "
-                             f"n_heads={self.n_heads}; allowed: a multiple of it")
+            raise ValueError(_("hidden={hidden} must be divisible by n_heads={heads}; "
+                               "allowed: a multiple of it").format(
+                hidden=self.hidden, heads=self.n_heads))
         for name in ("lr", "loss_scale"):
             if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be finite "
-                                 "and > 0")
+                raise ValueError(_("{name}={value!r} must be finite and > 0").format(
+                    name=name, value=getattr(self, name)))
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+            raise ValueError(_("{name}={value!r} must be in {interval}").format(
+                name="min_lr_ratio", value=self.min_lr_ratio, interval="[0, 1]"))
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction={self.eval_fraction!r} must be in [0, 1)")
+            raise ValueError(_("{name}={value!r} must be in {interval}").format(
+                name="eval_fraction", value=self.eval_fraction, interval="[0, 1)"))
         if self.data is not None and not os.path.isdir(self.data):
-            raise ValueError(f"data={self.data!r} is not a directory; allowed: one "
-                             "written by `python -m dtlib.train.data prepare`")
+            raise ValueError(_("data={value!r} is not a directory; allowed: one "
+                               "written by `python -m dtlib.train.data prepare`"
+                               ).format(value=self.data))
         if self.data is not None and self.eval_every and self.eval_fraction == 0:
-            raise ValueError(f"eval_every={self.eval_every} needs a held-out split; "
-                             "eval_fraction=0 holds out nothing; allowed: > 0")
+            raise ValueError(_("eval_every={every} needs a held-out split; "
+                               "eval_fraction=0 holds out nothing; allowed: > 0"
+                               ).format(every=self.eval_every))
         for name in ("weight_decay", "grad_clip", "peak_flops"):
             if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be finite "
-                                 "and >= 0")
+                raise ValueError(_("{name}={value!r} must be finite and >= 0").format(
+                    name=name, value=getattr(self, name)))
         if self.ckpt_dir is not None and os.path.exists(self.ckpt_dir) \
                 and not os.path.isdir(self.ckpt_dir):
-            raise ValueError(f"ckpt_dir={self.ckpt_dir!r} is a file; allowed: a "
-                             "directory (it is created if missing)")
+            raise ValueError(_("{name}={value!r} is a file; allowed: a directory (it "
+                               "is created if missing)").format(
+                name="ckpt_dir", value=self.ckpt_dir))
         for name in ("summary_json", "log_file"):
             if getattr(self, name) is not None and os.path.isdir(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r} is a directory; "
-                                 "allowed: a file path")
+                raise ValueError(_("{name}={value!r} is a directory; allowed: a file "
+                                   "path").format(name=name, value=getattr(self, name)))
         if self.warmup >= self.steps:
-            raise ValueError(f"warmup={self.warmup} must be < steps={self.steps} "
-                             "(the schedule warms up, then decays); allowed: 0 to "
-                             f"{self.steps - 1}")
+            raise ValueError(_("warmup={warmup} must be < steps={steps} (the "
+                               "schedule warms up, then decays); allowed: 0 to {last}"
+                               ).format(warmup=self.warmup, steps=self.steps,
+                                        last=self.steps - 1))
         _int("tp", self.tp, minimum=1)
         if self.tp > 1 and self.strategy != "fsdp":
-            raise ValueError(f"tp={self.tp} needs strategy='fsdp' (FSDP2 on the dp "
-                             f"dimension of a (dp, tp) mesh), not strategy="
-                             f"{self.strategy!r}; allowed with ddp: tp=1")
+            raise ValueError(_("tp={tp} needs strategy='fsdp' (FSDP2 on the dp "
+                               "dimension of a (dp, tp) mesh), not strategy="
+                               "{strategy!r}; allowed with ddp: tp=1").format(
+                tp=self.tp, strategy=self.strategy))
         if self.tp > 1 and self.model != "gpt":
-            raise ValueError(f"tp={self.tp} is implemented for model='gpt' only, not "
-                             f"model={self.model!r}; allowed: tp=1")
+            raise ValueError(_("tp={tp} is implemented for model='gpt' only, not "
+                               "model={model!r}; allowed: tp=1").format(
+                tp=self.tp, model=self.model))
         if self.n_heads % self.tp:
-            raise ValueError(f"tp={self.tp} must divide n_heads={self.n_heads} (each "
-                             "rank computes whole heads); allowed: a divisor of it")
+            raise ValueError(_("tp={tp} must divide n_heads={heads} (each rank "
+                               "computes whole heads); allowed: a divisor of it"
+                               ).format(tp=self.tp, heads=self.n_heads))
         if self.strategy == "fsdp" and self.precision == "fp16":
-            raise ValueError("precision='fp16' with strategy='fsdp' is not supported "
-                             "(it needs a ShardedGradScaler); allowed: fp32, bf16")
+            raise ValueError(_("precision='fp16' with strategy='fsdp' is not "
+                               "supported (it needs a ShardedGradScaler); allowed: "
+                               "fp32, bf16"))
 
     @property
     def allow_change_names(self) -> list[str]:
@@ -290,12 +308,14 @@ class TrainConfig:
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed; allowed: {allowed}")
+        raise ValueError(_("{name}={value!r} is not allowed; allowed: {allowed}"
+                           ).format(name=name, value=value, allowed=allowed))
 
 
 def _int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+        raise ValueError(_("{name}={value!r} must be an integer >= {minimum}"
+                           ).format(name=name, value=value, minimum=minimum))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,17 +436,19 @@ def check_world(cfg: TrainConfig, world_size: int) -> None:
     Taught in: Chapter 10, "The script's structure".
     """
     if world_size % cfg.tp:
-        raise ValueError(f"tp={cfg.tp} must divide the world size {world_size} "
-                         "(mesh dp x tp); allowed: a divisor of it")
+        raise ValueError(_("tp={tp} must divide the world size {world} (mesh dp x "
+                           "tp); allowed: a divisor of it").format(
+            tp=cfg.tp, world=world_size))
     dp = world_size // cfg.tp
     batch = cfg.micro_batch * cfg.accum_steps * dp
     if cfg.data is not None:
         check_data(cfg, batch)
     elif cfg.dataset_size < batch:
-        raise ValueError(f"dataset_size={cfg.dataset_size} is smaller than one global "
-                         f"batch (micro_batch {cfg.micro_batch} x accum_steps "
-                         f"{cfg.accum_steps} x dp ranks {dp} = {batch}); "
-                         f"allowed: >= {batch}")
+        raise ValueError(_("dataset_size={size} is smaller than one global batch "
+                           "(micro_batch {micro} x accum_steps {accum} x dp ranks "
+                           "{dp} = {batch}); allowed: >= {batch}").format(
+            size=cfg.dataset_size, micro=cfg.micro_batch, accum=cfg.accum_steps, dp=dp,
+            batch=batch))
 
 
 def check_data(cfg: TrainConfig, batch: int) -> None:
@@ -438,19 +460,23 @@ def check_data(cfg: TrainConfig, batch: int) -> None:
 
     tokens, meta = open_tokens(cfg.data)  # a missing or truncated tokens.bin
     if meta["vocab_size"] > cfg.vocab_size:
-        raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the token "
-                         f"file's vocabulary ({meta['vocab_size']}, {cfg.data}); "
-                         f"allowed: >= {meta['vocab_size']}")
+        raise ValueError(_("vocab_size={vocab} is smaller than the token file's "
+                           "vocabulary ({file_vocab}, {data}); allowed: >= "
+                           "{file_vocab}").format(vocab=cfg.vocab_size,
+                                                  file_vocab=meta["vocab_size"],
+                                                  data=cfg.data))
     windows = TokenWindows.count(len(tokens), cfg.seq_len)
     if windows < 1:
-        raise ValueError(f"seq_len={cfg.seq_len} is longer than the token file "
-                         f"({cfg.data} has {len(tokens)} tokens; a sample needs "
-                         f"seq_len + 1); allowed: <= {len(tokens) - 1}")
-    train, _ = held_out_split(windows, cfg.eval_fraction)
+        raise ValueError(_("seq_len={seq} is longer than the token file ({data} "
+                           "has {n} tokens; a sample needs seq_len + 1); allowed: <= "
+                           "{most}").format(seq=cfg.seq_len, data=cfg.data,
+                                            n=len(tokens), most=len(tokens) - 1))
+    train, _held_out = held_out_split(windows, cfg.eval_fraction)
     if train < batch:
-        raise ValueError(f"data={cfg.data!r} has {train} training windows of "
-                         f"seq_len + 1 tokens, fewer than one global batch ({batch}); "
-                         "allowed: a larger corpus or a smaller batch")
+        raise ValueError(_("data={data!r} has {train} training windows of seq_len + "
+                           "1 tokens, fewer than one global batch ({batch}); allowed: "
+                           "a larger corpus or a smaller batch").format(
+            data=cfg.data, train=train, batch=batch))
 
 
 def field_docs() -> dict[str, str]:
