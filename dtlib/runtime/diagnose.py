@@ -298,8 +298,9 @@ def finished_mismatch(nproc: int, exceptions: dict[int, dict], finished: set[int
         ranks=", ".join(map(str, done)),
         what=awaited or _("the collective the others wait in"))
     if waits:
-        head += ngettext(", which rank {ranks} waits in", ", which ranks {ranks} wait in",
-                         len(waits)).format(ranks=", ".join(map(str, sorted(waits))))
+        head += ngettext(", which rank {ranks} waits in",
+                         ", which ranks {ranks} wait in", len(waits)).format(
+            ranks=", ".join(map(str, sorted(waits))))
     report = [lines[r] for r in range(nproc)]
     msg = (_("{head}. Nothing crashed: the ranks did not call the same "
              "collectives.").format(head=head) + "\n" + _("Where each rank was:")
