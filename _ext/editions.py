@@ -43,6 +43,49 @@ def _add_link(app: Any, pagename: str, templatename: str, context: dict,
         f'\n<link rel="alternate" hreflang="{lang}" href="{href}" />')
 
 
+def _alt_texts_as_messages(app: Any, doctree: Any) -> None:
+    """For the catalogs (the gettext builder only): each figure's alt text, which a
+    code cell's metadata holds (``mystnb.image.alt``) and no paragraph does, becomes a
+    message of its page, numbered as myst-nb numbers the cell's lines."""
+    import json
+
+    from docutils import nodes
+
+    source = doctree.get("source") or ""
+    if app.builder.name != "gettext" or not source.endswith(".ipynb"):
+        return
+    with open(source, encoding="utf-8") as f:
+        cells = json.load(f).get("cells", [])
+    for i, cell in enumerate(cells):
+        image = cell.get("metadata", {}).get("mystnb", {}).get("image", {})
+        alt = (image.get("alt") or "").strip() if isinstance(image, dict) else ""
+        if alt:
+            para = nodes.paragraph(alt, alt)
+            para.source, para.line = source, 10000 * (i + 1) + 1
+            doctree.append(para)
+
+
+def _translate_alt_texts(app: Any, doctree: Any, docname: str) -> None:
+    """In an edition of another language, each figure's alt text from its catalog."""
+    from docutils import nodes
+    from sphinx.locale import init as init_locale
+    from sphinx.util.i18n import docname_to_domain
+
+    if not app.config.language or app.config.language == "en":
+        return
+    domain = docname_to_domain(docname, app.config.gettext_compact)
+    catalog, found = init_locale(list(app.config.locale_dirs), app.config.language,
+                                 domain)
+    if not found:
+        return
+    for image in doctree.findall(nodes.image):
+        alt = (image.get("alt") or "").strip()
+        if alt:
+            image["alt"] = catalog.gettext(alt)
+
+
 def setup(app: Any) -> dict:
     app.connect("html-page-context", _add_link)
+    app.connect("doctree-read", _alt_texts_as_messages)
+    app.connect("doctree-resolved", _translate_alt_texts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

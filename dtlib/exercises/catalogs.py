@@ -278,7 +278,7 @@ def translate_notebook(nb: dict, po_path: Path) -> tuple[dict, list[str]]:
     notebook's lines ``10000 * (cell + 1) + line``); the message's text is found in
     that cell, its lines joined as Sphinx joined them, and replaced. Structure
     (headings' ``#``, list markers, table pipes, directive fences) stays as it was,
-    and code cells are untouched.
+    and code is untouched; a code cell's message is its figure's alt text.
 
     Args:
         nb: a notebook as JSON (changed in place).
@@ -304,6 +304,15 @@ def translate_notebook(nb: dict, po_path: Path) -> tuple[dict, list[str]]:
             if line and line.isdigit():
                 by_cell.setdefault(int(line) // 10000 - 1, []).append(e)
     for at, entries in sorted(by_cell.items()):
+        if 0 <= at < len(cells) and cells[at].get("cell_type") == "code":
+            # a figure's alt text, in the code cell's metadata (mystnb.image.alt)
+            image = cells[at].get("metadata", {}).get("mystnb", {}).get("image", {})
+            for e in entries:
+                if isinstance(image, dict) and image.get("alt", "").strip() == e.msgid:
+                    image["alt"] = e.msgstr
+                else:
+                    missed.append(e.msgid)
+            continue
         if not 0 <= at < len(cells) or cells[at].get("cell_type") != "markdown":
             missed += [e.msgid for e in entries]
             continue

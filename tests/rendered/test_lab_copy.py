@@ -8,6 +8,10 @@ Run > Run All Cells, as a learner would click it: the numbers are the learner's 
 an entry of its References cell. Screenshots of chapter 0 before and after go to
 `_build/screenshots/lab-00-before.png` and `lab-00-after.png`.
 
+The Chinese copies (`make lab LANG=zh_CN`): chapter 0's prose is Chinese, JupyterLab's
+menus are (its zh_CN language pack), and a wrong answer, typed in as a learner would,
+is answered in Chinese by Run > Run All Cells (`lab-zh-00-wrong.png`).
+
 Also: `jupyter labextension list` calls the pinned jupyterlab-myst compatible.
 
 Needs the `lab` extra (`make check-book` installs it) and Chromium; skipped without
