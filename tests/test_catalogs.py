@@ -9,6 +9,7 @@ translated another way. Each check is shown catching a planted defect.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def test_every_message_is_translated_keeping_what_must_pass_through():
 def test_an_english_edit_leaves_its_stale_translation_named(tmp_path):
     # a checkout with one sentence of Chapter 3 changed, extracted as `make po` does
     copy = tmp_path / "book"
+    copy.mkdir()
     for name in ("_config.yml", "_toc.yml", "_ext", "_static", "book", "notebooks"):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, copy / name)
@@ -210,3 +212,78 @@ def test_the_capstones_errors_speak_the_learners_language(monkeypatch):
         with pytest.raises(ValueError) as info:
             TrainConfig(lr=-1.0)
         assert str(info.value) == f"lr=-1.0 {words}", str(info.value)
+
+
+# The checkers' sentences: every one a learner can read goes through the catalog.
+_FEEDBACK_CALLS = {"WrongAnswer", "passed", "ShortcutTaken", "check_close"}
+_FEEDBACK_NAMES = {"hint", "where", "side", "why", "what"}
+
+
+def _english_sentences(tree) -> list[int]:
+    """Lines of sentences (two words or more) given to a checker's feedback (an
+    argument of WrongAnswer, passed, check_close; a hint=/what= keyword; a `hint`,
+    `where` or `side` variable; a problem appended or returned) not marked with
+    _() or N_()."""
+    import ast
+
+    parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    found = []
+
+    def visit(node):
+        if isinstance(node, ast.BinOp):
+            visit(node.left), visit(node.right)
+        elif isinstance(node, ast.IfExp):
+            visit(node.body), visit(node.orelse)
+        elif isinstance(node, ast.Tuple):
+            for e in node.elts:
+                visit(e)
+        elif isinstance(node, (ast.Constant, ast.JoinedStr)):
+            text = (node.value if isinstance(node, ast.Constant) else "".join(
+                v.value for v in node.values if isinstance(v, ast.Constant)))
+            p = parent.get(node)
+            if (isinstance(text, str) and len(re.findall(r"[A-Za-z]{2,} +[A-Za-z]{2,}",
+                                                         text)) >= 1
+                    and not (isinstance(p, ast.Call)
+                             and getattr(p.func, "id", "") in ("_", "N_"))):
+                found.append(node.lineno)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in _FEEDBACK_CALLS:
+                for a in node.args[:1] if name == "check_close" else node.args:
+                    visit(a)
+            if name == "append" and getattr(node.func.value, "id", "") in (
+                    "problems", "out"):
+                for a in node.args:
+                    visit(a)
+            for kw in node.keywords:
+                if kw.arg in ("hint", "what"):
+                    visit(kw.value)
+        elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id in _FEEDBACK_NAMES
+                for t in node.targets):
+            visit(node.value)
+    return found
+
+
+def test_every_checker_sentence_goes_through_the_catalog():
+    import ast
+
+    left = []
+    for path in sorted((ROOT / "dtlib" / "exercises").glob("*.py")):
+        if path.name in ("catalogs.py", "mutants.py", "strip.py", "grade.py"):
+            continue  # tools for the book's authors and teachers, not feedback
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        left += [f"{path.relative_to(ROOT)}:{n}" for n in _english_sentences(tree)]
+    assert not left, ("feedback in English only (wrap it in _() and translate it "
+                      "in dtlib.po):\n  " + "\n  ".join(left))
+
+
+def test_an_unmarked_sentence_is_caught():
+    import ast
+
+    tree = ast.parse('raise WrongAnswer(f"rank {r} sent too much", hint=_("look"))\n'
+                     'passed(_("all {n} ranks agree").format(n=4))\n'
+                     'where = "on the page\'s world"\n')
+    assert sorted(_english_sentences(tree)) == [1, 3]

@@ -4,6 +4,7 @@ a benchmark, not a test, for its time)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -60,8 +61,18 @@ def test_a_checker_that_accepts_anything_lets_its_mutants_survive() -> None:
     assert report.results and all(r.status == "survived" for r in report.results)
 
 
-@pytest.mark.parametrize("exercise", EXERCISES, ids=[e.label for e in EXERCISES])
-def test_the_solution_passes_and_a_sample_of_its_mutants_is_killed(exercise) -> None:
+#: Every other exercise runs in Chinese (a learner copy made with LANG=zh_CN): each
+#: chapter's checkers judge in both languages, and a Chinese verdict is Chinese.
+LANGS = {e.label: ("zh_CN" if i % 2 else "en") for i, e in enumerate(EXERCISES)}
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+@pytest.mark.parametrize("exercise", EXERCISES,
+                         ids=[f"{e.label}-{LANGS[e.label]}" for e in EXERCISES])
+def test_the_solution_passes_and_a_sample_of_its_mutants_is_killed(
+        exercise, monkeypatch) -> None:
+    lang = LANGS[exercise.label]
+    monkeypatch.setenv("DTLIB_LANG", lang)  # the worker and its ranks inherit it
     candidates = [m for m in M.mutants_of(exercise)
                   if (exercise.label, m.key) not in KNOWN]
     report = M.run_mutants(exercise, M.sample(candidates, SAMPLE), timeout=120,
@@ -70,6 +81,10 @@ def test_the_solution_passes_and_a_sample_of_its_mutants_is_killed(exercise) -> 
         f"the book's own solution: {report.baseline.verdict} {report.baseline.detail}")
     survivors = [r.mutant.key for r in report.results if r.status == "survived"]
     assert not survivors, f"{exercise.label}: the checker accepts {survivors}"
+    if lang == "zh_CN":  # the feedback of a wrong answer is in the copy's language
+        for r in report.results:
+            if r.outcome.verdict == "wrong":
+                assert _CJK.search(r.outcome.detail), (exercise.label, r.outcome.detail)
 
 
 def test_mutants_command_refuses_what_is_not_there() -> None:

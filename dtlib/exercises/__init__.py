@@ -280,11 +280,12 @@ def check_close(name: str, got: Any, expected: float, *, rel: float = 1e-6,
     the expected value: the learner derives it."""
     value = as_number(got)
     if value is None:
-        raise WrongAnswer(f"{name}: expected a number, "
-                          f"got {type(got).__name__} {got!r}")
+        raise WrongAnswer(_("{name}: expected a number, got {type} {got!r}").format(
+            name=name, type=type(got).__name__, got=got))
     got = value
     if not math.isclose(got, expected, rel_tol=rel, abs_tol=0.0 if expected else 1e-12):
-        side = "too large" if got > expected else "too small"
-        raise WrongAnswer(f"{name}: got {got!r}, {side}: expected a "
-                          f"{'smaller' if got > expected else 'larger'} value.",
-                          hint)
+        if got > expected:
+            raise WrongAnswer(_("{name}: got {got!r}, too large: expected a smaller "
+                                "value.").format(name=name, got=got), hint)
+        raise WrongAnswer(_("{name}: got {got!r}, too small: expected a larger "
+                            "value.").format(name=name, got=got), hint)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 from dtlib.exercises import (WrongAnswer, as_number, as_integer, checker, passed,
                              run_on_ranks)
+from dtlib.runtime.i18n import N_, _
 
 #: Token counts per rank, per micro-batch: ``cases[i][rank][k]``.
 SCALE_CASES: tuple[tuple[tuple[int, ...], ...], ...] = (
@@ -29,7 +30,7 @@ ALLREDUCE_CASES = ((1, 1, True), (1, 5, False), (4, 1, True), (4, 1, False),
 
 #: What ``check_allreduce_calls`` switches off while the learner's function runs.
 _ALLREDUCE_CALLS_FORBIDS = {
-    'dtlib.data_parallel.ddp:allreduce_calls_per_step': "the book's own count",
+    'dtlib.data_parallel.ddp:allreduce_calls_per_step': N_("the book's own count"),
 }
 
 
@@ -47,18 +48,21 @@ def check_allreduce_calls(calls: Callable[[int, int, bool], int],
         want = n_buckets if no_sync else accum_steps * n_buckets
         got = calls(accum_steps, n_buckets, no_sync)
         if as_integer(got) is None:
-            raise WrongAnswer(f"expected an int, got {type(got).__name__} {got!r}")
+            raise WrongAnswer(_("expected an int, got {type} {got!r}").format(
+                                  type=type(got).__name__, got=got))
         got = as_integer(got)
         if got != want:
-            hint = ("every backward outside no_sync all-reduces every bucket once"
+            hint = (_("every backward outside no_sync all-reduces every bucket once")
                     if not no_sync else
-                    "inside no_sync nothing is sent; the last, synchronised backward "
-                    "sends each bucket once")
+                    _("inside no_sync nothing is sent; the last, synchronised "
+                      "backward sends each bucket once"))
             raise WrongAnswer(
-                f"accum_steps={accum_steps}, n_buckets={n_buckets}, "
-                f"no_sync={no_sync}: you said {got}, a rank issues {want}. "
-                f"Hint: {hint}.")
-    passed("no_sync cuts the gradient all-reduces per step by a factor accum_steps")
+                _("accum_steps={accum_steps}, n_buckets={n_buckets}, "
+                  "no_sync={no_sync}: you said {got}, a rank issues {want}. Hint: "
+                  "{hint}.").format(
+                    accum_steps=accum_steps, n_buckets=n_buckets, no_sync=no_sync,
+                    got=got, want=want, hint=hint))
+    passed(_("no_sync cuts the gradient all-reduces per step by a factor accum_steps"))
 
 
 # ---- build it: the normaliser, computed by the ranks themselves ----------------------
@@ -89,7 +93,7 @@ ONE_COLLECTIVE = (["all_reduce"], ["all_gather"], ["all_gather", "all_gather"])
 
 #: What ``check_loss_scale_on_ranks`` switches off while the learner's function runs.
 _LOSS_SCALE_ON_RANKS_FORBIDS = {
-    'dtlib.exercises.accumulation:_scale_truth': "the checker's truth",
+    'dtlib.exercises.accumulation:_scale_truth': N_("the checker's truth"),
 }
 
 
@@ -120,15 +124,17 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
         cases = tuple(c for c in SCALE_CASES if len(c) == n) + (
             tuple(tuple(7 * r + k + 1 for k in range(3)) for r in range(n)), drawn)
         ranks = run_on_ranks(_scale_on_rank, scale, n, cases,
-                             what="your normaliser")
+                             what=_("your normaliser"))
         for i, case in enumerate(cases):
             counts = [list(c) for c in case]
             want = _scale_truth(counts)
             for rank in range(n):
                 got, comms = ranks[rank][i]
-                where = f"world_size={n}, rank {rank}, token counts {counts}"
+                where = _("world_size={n}, rank {rank}, token counts {counts}").format(
+                            n=n, rank=rank, counts=counts)
                 if as_number(got) is None:
-                    raise WrongAnswer(f"{where}: expected a number, got {got!r}")
+                    raise WrongAnswer(_("{where}: expected a number, got "
+                                        "{got!r}").format(where=where, got=got))
                 got = as_number(got)
                 # N / T in float32 is within 2 ulps (2 * 2**-24 ~ 1.2e-7) of the
                 # truth (T < 2**24 is exact); rel_tol=1e-6 allows 16 ulps, while
@@ -136,24 +142,28 @@ def check_loss_scale_on_ranks(scale: Callable[[list[int]], float],
                 if math.isclose(got, want, rel_tol=1e-6):
                     if comms not in ONE_COLLECTIVE:
                         raise WrongAnswer(
-                            f"{where}: right, but it issues {comms}; one collective "
-                            "is enough: an all-reduce of the count, or an all-gather "
-                            "of every rank's count.")
+                            _("{where}: right, but it issues {comms}; one collective "
+                              "is enough: an all-reduce of the count, or an "
+                              "all-gather of every rank's count.").format(
+                                where=where, comms=comms))
                     continue
                 total, local = sum(map(sum, counts)), sum(counts[rank])
                 if not comms:
-                    hint = ("this rank only knows its own tokens; the normaliser needs "
-                            "every rank's: sum them with one dist.all_reduce (or "
-                            "gather them with one dist.all_gather)")
+                    hint = (_("this rank only knows its own tokens; the normaliser "
+                              "needs every rank's: sum them with one dist.all_reduce "
+                              "(or gather them with one dist.all_gather)"))
                 elif local and math.isclose(got, 1 / local, rel_tol=1e-6):
-                    hint = ("that is this rank's own count: DDP would average per-rank "
-                            "means; all-reduce the count first")
+                    hint = (_("that is this rank's own count: DDP would average "
+                              "per-rank means; all-reduce the count first"))
                 elif math.isclose(got, 1 / total, rel_tol=1e-6):
-                    hint = ("DDP *averages* the ranks' gradients (divides by "
-                            "world_size); multiply that back")
+                    hint = (_("DDP *averages* the ranks' gradients (divides by "
+                              "world_size); multiply that back"))
                 else:
-                    hint = "count every real token of every rank's micro-batches"
-                side = "too large" if got > want else "too small"
-                raise WrongAnswer(f"{where}: you gave {got!r}, {side}.", hint)
-    passed(f"every rank computes world_size / (global token count) with one "
-           f"collective, on {list(world_sizes)} ranks")
+                    hint = _("count every real token of every rank's micro-batches")
+                side = _("too large") if got > want else _(
+                        "too small")
+                raise WrongAnswer(_("{where}: you gave {got!r}, {side}.").format(
+                                      where=where, got=got, side=side), hint)
+    passed(_("every rank computes world_size / (global token count) with one "
+             "collective, on {world_sizes} ranks").format(
+               world_sizes=list(world_sizes)))

@@ -22,6 +22,7 @@ from dtlib.checkpoint.state import STATE_KEYS
 from dtlib.exercises import WrongAnswer, checker, passed
 from dtlib.models.run import full_tensor
 from dtlib.runtime import launch
+from dtlib.runtime.i18n import N_, _
 
 _STRAIGHT: dict[int, torch.Tensor] = {}
 
@@ -40,7 +41,8 @@ def check_resume_keys(keys: Iterable[str], total_steps: int = 10,
     keys = set(keys)
     unknown = keys - set(STATE_KEYS)
     if unknown:
-        raise WrongAnswer(f"unknown keys {sorted(unknown)}; choose from {STATE_KEYS}")
+        raise WrongAnswer(_("unknown keys {unknown}; choose from {state_keys}").format(
+                              unknown=sorted(unknown), state_keys=STATE_KEYS))
     if total_steps not in _STRAIGHT:
         _STRAIGHT[total_steps] = train_run(total_steps)["params"]
     straight = _STRAIGHT[total_steps]
@@ -50,12 +52,13 @@ def check_resume_keys(keys: Iterable[str], total_steps: int = 10,
     if not torch.equal(straight, resumed):
         diff = (straight - resumed).abs().max().item()
         raise WrongAnswer(
-            f"restoring {sorted(keys)} gives a different run: the final parameters "
-            f"differ by up to {diff:.3g}. Hint: list everything a training step reads "
-            "that changes from step to step: the weights, what the optimizer "
-            "remembers, the learning rate's schedule, which samples come next, and "
-            "every random generator that dropout, cropping and noise draw from.")
-    passed(f"restoring {sorted(keys)} resumes the run bit for bit")
+            _("restoring {keys} gives a different run: the final parameters differ by "
+              "up to {diff:.3g}. Hint: list everything a training step reads that "
+              "changes from step to step: the weights, what the optimizer remembers, "
+              "the learning rate's schedule, which samples come next, and every "
+              "random generator that dropout, cropping and noise draw from.").format(
+                keys=sorted(keys), diff=diff))
+    passed(_("restoring {keys} resumes the run bit for bit").format(keys=sorted(keys)))
 
 
 def _digest(path: str) -> str | None:
@@ -115,21 +118,21 @@ def _watched_save(save: Callable[[Any, str], Any], obj: Any, path: str
         onto_path.append(src)
         dir_synced[0] = False
         if src == dst:
-            problems.append("path was renamed onto itself: the data went straight "
-                            "into the final file, so a crash tears it")
+            problems.append(_("path was renamed onto itself: the data went straight "
+                              "into the final file, so a crash tears it"))
         elif os.path.dirname(src) != os.path.dirname(dst):
-            problems.append(f"the temporary file {src} is not in the checkpoint's "
-                            "directory: os.replace is atomic only within one file "
-                            "system")
+            problems.append(_("the temporary file {src} is not in the checkpoint's "
+                              "directory: os.replace is atomic only within one file "
+                              "system").format(src=src))
         elif os.path.exists(src) and _fingerprint(os.stat(src)) not in synced:
-            problems.append("the temporary file was not fsynced, with its data "
-                            "flushed, before the rename (an fsync after the rename, "
-                            "or before the last write, leaves a power cut free to "
-                            "empty the new checkpoint)")
+            problems.append(_("the temporary file was not fsynced, with its data "
+                              "flushed, before the rename (an fsync after the rename, "
+                              "or before the last write, leaves a power cut free to "
+                              "empty the new checkpoint)"))
         if _digest(dst) != before:
-            problems.append("the final path was written before the rename: the old "
-                            "checkpoint was already gone while the new one was "
-                            "being written")
+            problems.append(_("the final path was written before the rename: the old "
+                              "checkpoint was already gone while the new one was "
+                              "being written"))
 
     def spy_replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
         judge(src, dst)
@@ -145,12 +148,12 @@ def _watched_save(save: Callable[[Any, str], Any], obj: Any, path: str
             mock.patch("os.fdatasync", spy_fdatasync, create=True):
         save(obj, path)
     if not onto_path:
-        problems.append("path was not put in place by a rename "
-                        "(os.replace(tmp, path) or os.rename(tmp, path))")
+        problems.append(_("path was not put in place by a rename (os.replace(tmp, "
+                          "path) or os.rename(tmp, path))"))
     elif not problems and not dir_synced[0]:
-        problems.append("the directory was not fsynced after the rename: the rename "
-                        "is a change to the directory, and until the directory is "
-                        "on disk a power cut can undo it")
+        problems.append(_("the directory was not fsynced after the rename: the rename "
+                          "is a change to the directory, and until the directory is "
+                          "on disk a power cut can undo it"))
     return problems
 
 
@@ -169,28 +172,29 @@ def _side_effects(umask: int, fds: set[str] | None, path: str) -> list[str]:
     problems = []
     now = os.umask(umask)
     if now != umask:
-        problems.append(f"save() left the process's umask at {now:#o} (it was "
-                        f"{umask:#o}): put back what os.umask returned")
+        problems.append(_("save() left the process's umask at {now:#o} (it was "
+                          "{umask:#o}): put back what os.umask returned").format(
+                            now=now, umask=umask))
     after = _open_fds()
     if fds is not None and after is not None and len(after - fds) > 0:
-        problems.append(f"save() left {len(after - fds)} file descriptor(s) open: "
-                        "close every os.open (in a finally), or a long run runs out")
+        problems.append(_("save() left {n_value} file descriptor(s) open: close every "
+                          "os.open (in a finally), or a long run runs out").format(
+                            n_value=len(after - fds)))
     if os.path.exists(path):
         mode = stat.S_IMODE(os.stat(path).st_mode)
         want = 0o666 & ~umask
         if mode != want:
-            problems.append(f"the checkpoint's permissions are {mode:#o}, where a "
-                            f"plain open(path, 'wb') gives {want:#o} (0o666 less the "
-                            "umask): "
-                            "mkstemp makes its file private, so chmod it before the "
-                            "rename")
+            problems.append(_("the checkpoint's permissions are {mode:#o}, where a "
+                              "plain open(path, 'wb') gives {want:#o} (0o666 less the "
+                              "umask): mkstemp makes its file private, so chmod it "
+                              "before the rename").format(mode=mode, want=want))
     return problems
 
 
 #: What ``check_atomic_save`` switches off while the learner's function runs.
 _ATOMIC_SAVE_FORBIDS = {
-    'dtlib.checkpoint.state:atomic_save': "the book's own atomic save",
-    'dtlib.checkpoint.state:save_checkpoint': "the book's own save",
+    'dtlib.checkpoint.state:atomic_save': N_("the book's own atomic save"),
+    'dtlib.checkpoint.state:save_checkpoint': N_("the book's own save"),
 }
 
 
@@ -216,44 +220,49 @@ def check_atomic_save(save: Callable[[Any, str], Any]) -> None:
             problems += _side_effects(umask, fds, path)
             if problems:
                 raise WrongAnswer(f"save #{step}: " + "; ".join(problems) + ".",
-                                  "write to tempfile.mkstemp(dir=<path's directory>), "
-                                  "flush, os.fsync, os.replace(tmp, path), then "
-                                  "fsync the directory (os.open(dir, os.O_RDONLY))")
+                                  _("write to tempfile.mkstemp(dir=<path's "
+                                    "directory>), flush, os.fsync, os.replace(tmp, "
+                                    "path), then fsync the directory (os.open(dir, "
+                                    "os.O_RDONLY))"))
             try:
                 back = torch.load(path, weights_only=True)
             except Exception as exc:
-                raise WrongAnswer(f"after save(obj, path), torch.load(path, "
-                                  f"weights_only=True) fails: {exc!r}") from None
+                raise WrongAnswer(_("after save(obj, path), torch.load(path, "
+                                    "weights_only=True) fails: {exc!r}").format(
+                                      exc=exc)) from None
             if back["step"] != step or not torch.equal(back["w"], good["w"]):
-                raise WrongAnswer("the file at path does not hold the object saved")
+                raise WrongAnswer(_("the file at path does not hold the object saved"))
         try:
             save({"step": 3, "w": torch.zeros(6), "x": CrashDuringSave()}, path)
         except SimulatedCrash:
             pass
         else:
             raise WrongAnswer(
-                "a save that crashed in the middle returned as if it had worked: the "
-                "caller believes a checkpoint was written.", "clean up in "
-                "`except BaseException:`, then `raise` the error again")
+                _("a save that crashed in the middle returned as if it had worked: "
+                  "the caller believes a checkpoint was written."), _(
+                          "clean up in `except BaseException:`, then `raise` the "
+                          "error again"))
         left = sorted(set(os.listdir(d)) - {os.path.basename(path)})
         if left:
             raise WrongAnswer(
-                f"a save that crashed in the middle left {left} behind in the "
-                "checkpoint's directory: every crash leaves one more file, and one "
-                "named like a checkpoint is a torn checkpoint for whoever resumes.",
-                "remove the temporary file when the write fails (os.unlink in "
-                "`except BaseException:`), then raise again")
+                _("a save that crashed in the middle left {left} behind in the "
+                  "checkpoint's directory: every crash leaves one more file, and one "
+                  "named like a checkpoint is a torn checkpoint for whoever "
+                  "resumes.").format(left=left),
+                _("remove the temporary file when the write fails (os.unlink in "
+                  "`except BaseException:`), then raise again"))
         try:
             after = torch.load(path, weights_only=True)
         except Exception as exc:
             raise WrongAnswer(
-                "a crash in the middle of save() destroyed the previous checkpoint: "
-                f"loading it now fails with {type(exc).__name__}. Hint: never open the "
-                "final path for writing; write elsewhere, then rename.") from None
+                _("a crash in the middle of save() destroyed the previous checkpoint: "
+                  "loading it now fails with {type}. Hint: never open the final path "
+                  "for writing; write elsewhere, then rename.").format(
+                    type=type(exc).__name__)) from None
         if after["step"] != 2:
             raise WrongAnswer(
-                "after a crashed save, path no longer holds the old state")
-    passed("save() is atomic: the old checkpoint survives a crash mid-write")
+                _("after a crashed save, path no longer holds the old state"))
+    passed(_("save() is atomic: the old checkpoint survives a crash mid-write"))
 
 
 # ---- build it: a sharded save and resume of a 2-rank FSDP2 run ----------------------
@@ -298,12 +307,13 @@ def _one_process_read(directory: str, saved: dict[str, torch.Tensor]
     try:
         stored = FileSystemReader(directory).read_metadata().state_dict_metadata
     except Exception as exc:  # no .metadata: not a DCP checkpoint
-        return f"it has no DCP metadata ({type(exc).__name__})"
+        return _("it has no DCP metadata ({type})").format(type=type(exc).__name__)
     keys = {}
     for name in saved:
         match = [k for k in stored if k == name or k.endswith("." + name)]
         if len(match) != 1:
-            return f"no single entry in it holds the parameter {name!r}"
+            return _("no single entry in it holds the parameter {name!r}").format(
+                       name=name)
         keys[match[0]] = name
     template = {k: torch.empty_like(saved[n]) for k, n in keys.items()}
     dcp_load_full(directory, template)
@@ -317,7 +327,8 @@ def _first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
         if name not in b or not torch.equal(a[name], b[name]):
             diff = ((a[name] - b[name]).abs().max().item() if name in b
                     and a[name].shape == b[name].shape else float("nan"))
-            return f"{name} (max abs difference {diff:.3g})"
+            return _("{name} (max abs difference {diff:.3g})").format(
+                       name=name, diff=diff)
     return None
 
 
@@ -326,27 +337,28 @@ def _verdict(res: dict[str, Any]) -> WrongAnswer | None:
     wrong = _first_difference(res["saved"], res["loaded"])
     if wrong:
         return WrongAnswer(
-            f"after load the fresh job's weights are not the saved ones: {wrong}.",
-            "a rank holds only its shard: every rank must save and every rank must "
-            "load (dcp.save / dcp.load), and the loaded state dict must be put back "
-            "into the model (set_state_dict)")
+            _("after load the fresh job's weights are not the saved ones: "
+              "{wrong}.").format(wrong=wrong),
+            _("a rank holds only its shard: every rank must save and every rank must "
+              "load (dcp.save / dcp.load), and the loaded state dict must be put back "
+              "into the model (set_state_dict)"))
     read = _one_process_read(res["directory"], res["saved"])
     if isinstance(read, str) or _first_difference(res["saved"], read):
         why = read if isinstance(read, str) else (
-            "its tensors differ: " + str(_first_difference(res["saved"], read)))
+            _("its tensors differ: ") + str(_first_difference(res["saved"], read)))
         return WrongAnswer(
-            f"one process cannot read the checkpoint's model back: {why}. A "
-            "checkpoint that only the same 2 ranks can read cannot resume on another "
-            "world size.",
-            "save with torch.distributed.checkpoint (dcp.save), which writes the "
-            "global layout of every tensor to .metadata")
+            _("one process cannot read the checkpoint's model back: {why}. A "
+              "checkpoint that only the same 2 ranks can read cannot resume on "
+              "another world size.").format(why=why),
+            _("save with torch.distributed.checkpoint (dcp.save), which writes the "
+              "global layout of every tensor to .metadata"))
     wrong = _first_difference(res["straight"], res["resumed"])
     if wrong:
         return WrongAnswer(
-            f"the weights load, but the resumed run is not the uninterrupted one: "
-            f"{wrong}.",
-            "AdamW's moments and step count are training state too: save and load "
-            "the optimizer's state dict with the model's")
+            _("the weights load, but the resumed run is not the uninterrupted one: "
+              "{wrong}.").format(wrong=wrong),
+            _("AdamW's moments and step count are training state too: save and load "
+              "the optimizer's state dict with the model's"))
     return None
 
 
@@ -377,24 +389,24 @@ def judge_sharded_resume(answers: list[tuple[Callable[..., Any], Callable[..., A
             ranks = launch.spawn(rank_main, 2, timeout=120, stream=False)
         except launch.LaunchError as exc:
             failed = WrongAnswer(
-                f"your save or load failed on a rank:\n{exc}",
-                "every rank calls get_state_dict(model, optimizer), then dcp.save("
-                "{'model': ..., 'optim': ...}, checkpoint_id=directory); load builds "
-                "the same dict from the fresh job, dcp.load(...) fills it in place, "
-                "set_state_dict puts it back")
+                _("your save or load failed on a rank:\n{exc}").format(exc=exc),
+                _("every rank calls get_state_dict(model, optimizer), then "
+                  "dcp.save({{'model': ..., 'optim': ...}}, checkpoint_id=directory); "
+                  "load builds the same dict from the fresh job, dcp.load(...) fills "
+                  "it in place, set_state_dict puts it back"))
             return [failed] * len(answers)
         return [_verdict(res) for res in ranks[0]]
 
 
 #: What ``check_sharded_resume`` switches off while the learner's function runs.
 _SHARDED_RESUME_FORBIDS = {
-    'dtlib.checkpoint.sharded:save_sharded': "the book's own sharded save",
-    'dtlib.checkpoint.sharded:load_sharded': "the book's own sharded load",
-    'dtlib.checkpoint.sharded:load_full': "the book's own load",
-    'dtlib.checkpoint.sharded:dcp_load_full': "the checker's one-process read",
-    'dtlib.checkpoint.safe_dcp:safe_dcp_load': "the book's own load",
-    'dtlib.checkpoint.state:save_checkpoint': "the book's own save",
-    'dtlib.checkpoint.state:load_checkpoint': "the book's own load",
+    'dtlib.checkpoint.sharded:save_sharded': N_("the book's own sharded save"),
+    'dtlib.checkpoint.sharded:load_sharded': N_("the book's own sharded load"),
+    'dtlib.checkpoint.sharded:load_full': N_("the book's own load"),
+    'dtlib.checkpoint.sharded:dcp_load_full': N_("the checker's one-process read"),
+    'dtlib.checkpoint.safe_dcp:safe_dcp_load': N_("the book's own load"),
+    'dtlib.checkpoint.state:save_checkpoint': N_("the book's own save"),
+    'dtlib.checkpoint.state:load_checkpoint': N_("the book's own load"),
 }
 
 
@@ -415,5 +427,5 @@ def check_sharded_resume(save: Callable[[Any, Any, str], Any],
     wrong = judge_sharded_resume([(save, load)], total_steps, stop_at)[0]
     if wrong is not None:
         raise wrong
-    passed("every rank saves its shards with DCP, a fresh 2-rank job resumes bit for "
-           "bit, and one process reads the same checkpoint")
+    passed(_("every rank saves its shards with DCP, a fresh 2-rank job resumes bit "
+             "for bit, and one process reads the same checkpoint"))

@@ -30,6 +30,7 @@ from dtlib.collectives.algorithms import ring_all_reduce
 from dtlib.exercises import WrongAnswer, as_number, checker, passed
 from dtlib.exercises.tripwires import guarded
 from dtlib.runtime import diagnose, launch
+from dtlib.runtime.i18n import N_, _
 
 _CASES = ((4,), (3, 2), (1,), (5, 3))  # shard shapes, one per check
 
@@ -56,7 +57,8 @@ def _load(source: str, name: str) -> Callable[..., Any]:
     namespace: dict[str, Any] = {"torch": torch, "dist": dist}
     exec(compile(source, f"<your {name}>", "exec"), namespace)  # noqa: S102
     if not callable(namespace.get(name)):
-        raise WrongAnswer(f"the source defines no function named {name!r}")
+        raise WrongAnswer(_("the source defines no function named {name!r}").format(
+                              name=name))
     return guarded(namespace[name], _RING_ALL_GATHER_FORBIDS)
 
 
@@ -65,8 +67,9 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
     """What makes this rank's traffic not a ring all-gather (empty: nothing)."""
     used = sorted({kind for kind, _, _ in log} - {"send", "recv"})
     if used:
-        return [f"it calls {used}: use only send/recv (dist.send, dist.recv, "
-                "dist.isend, dist.irecv, or dist.batch_isend_irecv)"]
+        return [_("it calls {used}: use only send/recv (dist.send, dist.recv, "
+                  "dist.isend, dist.irecv, or dist.batch_isend_irecv)").format(
+                    used=used)]
     sends = [(peer, k) for kind, peer, k in log if kind == "send"]
     recvs = [(peer, k) for kind, peer, k in log if kind == "recv"]
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -77,25 +80,29 @@ def _ring_problems(log: list[tuple[str, int | None, int]], rank: int, n: int,
     frm = left if to == right else right
     if to not in (right, left) or any(peer != to for peer, _ in sends):
         peers = sorted({p for p, _ in sends if p is not None})
-        return [f"rank {rank} of {n} sends to ranks {peers}: in a ring, a rank sends "
-                f"only to one neighbour (rank {right}, or rank {left} for a ring "
-                "turning the other way)"]
+        return [_("rank {rank} of {n} sends to ranks {peers}: in a ring, a rank sends "
+                  "only to one neighbour (rank {right}, or rank {left} for a ring "
+                  "turning the other way)").format(
+                    rank=rank, n=n, peers=peers, right=right, left=left)]
     if any(peer not in (frm, None) for peer, _ in recvs):
-        return [f"rank {rank} of {n} receives from ranks "
-                f"{sorted({str(p) for p, _ in recvs})}: in a ring, a rank receives "
-                f"only from the neighbour on the other side, rank {frm} (name it: "
-                f"src={frm})"]
+        return [_("rank {rank} of {n} receives from ranks {value}: in a ring, a rank "
+                  "receives only from the neighbour on the other side, rank {frm} "
+                  "(name it: src={frm})").format(
+                    rank=rank, n=n, value=sorted({str(p) for p, _ in recvs}),
+                    frm=frm)]
     # Each step passes one shard; it may go as several messages, never more than a
     # shard at once, and n - 1 shards in all.
     sent, got = sum(k for _, k in sends), sum(k for _, k in recvs)
     if len(sends) < n - 1 or sent != (n - 1) * chunk or got != (n - 1) * chunk:
-        return [f"rank {rank} of {n} sends {len(sends)} message(s) of {sent} "
-                f"element(s) "
-                f"and receives {got}: a ring all-gather takes n - 1 = {n - 1} steps, "
-                f"each passing one shard ({chunk} elements)"]
+        return [_("rank {rank} of {n} sends {n_sends} message(s) of {sent} element(s) "
+                  "and receives {got}: a ring all-gather takes n - 1 = {value} steps, "
+                  "each passing one shard ({chunk} elements)").format(
+                    rank=rank, n=n, n_sends=len(sends), sent=sent, got=got,
+                    value=n - 1, chunk=chunk)]
     if any(k > chunk for _, k in sends + recvs):
-        return [f"rank {rank} of {n} sends messages of {sorted({k for _, k in sends})} "
-                f"element(s): each step passes one shard ({chunk} elements)"]
+        return [_("rank {rank} of {n} sends messages of {value} element(s): each step "
+                  "passes one shard ({chunk} elements)").format(
+                    rank=rank, n=n, value=sorted({k for _, k in sends}), chunk=chunk)]
     return []
 
 
@@ -122,17 +129,21 @@ def _check_all_gather_on_rank(source: str, name: str,
         with watch_comms() as log:
             got = fn(shard.clone())
         if isinstance(got, torch.Tensor) and got.dtype != dtype:
-            return [f"world_size={n}, rank {rank}: the shards are {dtype}, your "
-                    f"result is {got.dtype}: an all-gather keeps its input's dtype "
-                    "(make the output with dtype=tensor.dtype)"]
+            return [_("world_size={n}, rank {rank}: the shards are {dtype}, your "
+                      "result is {dtype2}: an all-gather keeps its input's dtype "
+                      "(make the output with dtype=tensor.dtype)").format(
+                        n=n, rank=rank, dtype=dtype, dtype2=got.dtype)]
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or \
                 not torch.equal(got, want):
-            shape_got = (f" (shape {tuple(got.shape)})" if isinstance(got, torch.Tensor)
-                         else "")
+            shape_got = (_(" (shape {shape})").format(shape=tuple(got.shape))
+                         if isinstance(got, torch.Tensor) else "")
             return [
-                f"world_size={n}, rank {rank}, shard shape {tuple(shape)}: expected "
-                f"{want.flatten().tolist()} (shape {tuple(want.shape)}), got "
-                f"{got.flatten().tolist() if isinstance(got, torch.Tensor) else got!r}"
+                _("world_size={n}, rank {rank}, shard shape {shape}: expected "
+                  "{tolist} (shape {shape2}), got {value!r}").format(
+                    n=n, rank=rank, shape=tuple(shape),
+                    tolist=want.flatten().tolist(), shape2=tuple(want.shape),
+                    value=(got.flatten().tolist() if isinstance(got, torch.Tensor)
+                           else got))
                 + shape_got]
         problems = _ring_problems(log, rank, n, shard.numel())
         if problems:
@@ -142,8 +153,9 @@ def _check_all_gather_on_rank(source: str, name: str,
 
 #: What ``check_ring_all_gather`` switches off while the learner's function runs.
 _RING_ALL_GATHER_FORBIDS = {
-    'dtlib.collectives.algorithms:ring_all_gather': "the book's own ring all-gather",
-    'dtlib.collectives.algorithms:all_gather_into': "the book's all-gather",
+    'dtlib.collectives.algorithms:ring_all_gather':
+        N_("the book's own ring all-gather"),
+    'dtlib.collectives.algorithms:all_gather_into': N_("the book's all-gather"),
 }
 
 
@@ -174,7 +186,7 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
         source = textwrap.dedent(fn)
         line = next((ln for ln in source.splitlines() if ln.startswith("def ")), None)
         if line is None:
-            raise WrongAnswer("the source has no top-level 'def'")
+            raise WrongAnswer(_("the source has no top-level 'def'"))
         name = line[4:].split("(")[0].strip()
     _load(source, name)  # syntax errors surface here, in the learner's process
     diagnose.remember_source(f"<your {name}>", source)  # a hang report shows its lines
@@ -188,23 +200,25 @@ def check_ring_all_gather(fn: Callable[..., Any] | str,
                                    content_seed, timeout=timeout, stream=False)
         except launch.LaunchTimeout as exc:
             raise WrongAnswer(
-                f"world_size={n}: your all-gather did not finish in {timeout:g} s: a "
-                "deadlock.\n" + "\n".join(exc.report),
-                "if every rank first sends and then receives with blocking calls, all "
-                "wait in send: post a step's send and receive together (isend + irecv, "
-                "or batch_isend_irecv), then wait on both.") from None
+                _("world_size={n}: your all-gather did not finish in {timeout:g} s: a "
+                  "deadlock.\n").format(n=n, timeout=timeout) + "\n".join(exc.report),
+                _("if every rank first sends and then receives with blocking calls, "
+                  "all wait in send: post a step's send and receive together (isend + "
+                  "irecv, or batch_isend_irecv), then wait on both.")) from None
         except launch.LaunchError as exc:
-            raise WrongAnswer(f"world_size={n}: your all-gather raised on a rank:\n"
-                              f"{exc}") from None
+            raise WrongAnswer(_("world_size={n}: your all-gather raised on a "
+                                "rank:\n{exc}").format(n=n, exc=exc)) from None
         problems = [p for per_rank in results for p in per_rank]
         if problems:
-            raise WrongAnswer(problems[0], "in step s, rank r passes on the shard it "
-                              "received in step s - 1 (its own in step 0): to rank "
-                              "r+1, while receiving the next from rank r-1. Look "
-                              "again at 'Ring all-reduce, from send and recv': its "
-                              "all-gather half is this exercise.")
-    passed(f"your ring all-gather equals all_gather on {list(world_sizes)} ranks, "
-           "passing one shard to the next rank round the ring n - 1 times")
+            raise WrongAnswer(problems[0], _("in step s, rank r passes on the shard "
+                                             "it received in step s - 1 (its own in "
+                                             "step 0): to rank r+1, while receiving "
+                                             "the next from rank r-1. Look again at "
+                                             "'Ring all-reduce, from send and recv': "
+                                             "its all-gather half is this exercise."))
+    passed(_("your ring all-gather equals all_gather on {world_sizes} ranks, passing "
+             "one shard to the next rank round the ring n - 1 times").format(
+               world_sizes=list(world_sizes)))
 
 
 def _ring_bytes_sent(nbytes: int) -> int:
@@ -215,9 +229,9 @@ def _ring_bytes_sent(nbytes: int) -> int:
 
 #: What ``check_bytes_sent`` switches off while the learner's function runs.
 _BYTES_SENT_FORBIDS = {
-    'dtlib.collectives.cost_model:bytes_sent_per_rank': "the book's formula",
-    'dtlib.collectives.cost_model:cost_terms': "the book's formula",
-    'dtlib.collectives.cost_model:collective_time': "the book's formula",
+    'dtlib.collectives.cost_model:bytes_sent_per_rank': N_("the book's formula"),
+    'dtlib.collectives.cost_model:cost_terms': N_("the book's formula"),
+    'dtlib.collectives.cost_model:collective_time': N_("the book's formula"),
 }
 
 
@@ -249,13 +263,14 @@ def check_bytes_sent(predict: Callable[[int, int], float],
         sent = launch.spawn(_ring_bytes_sent, n, nbytes, stream=False)
         got = predict(nbytes, n)
         if as_number(got) is None:
-            raise WrongAnswer(f"predict({nbytes}, {n}) returned {got!r}: "
-                              "return a number")
+            raise WrongAnswer(_("predict({nbytes}, {n}) returned {got!r}: return a "
+                                "number").format(nbytes=nbytes, n=n, got=got))
         got = as_number(got)
         if any(abs(got - s) > 1e-6 * max(1, s) for s in sent):
             raise WrongAnswer(
-                f"all-reduce of {nbytes} bytes on {n} ranks: you predicted {got!r} "
-                f"bytes per rank, the ranks sent {sent}.", "count the steps of the "
-                "reduce-scatter and of the all-gather, and the size of the chunk sent "
-                "in each.")
-    passed("your prediction matches the bytes each rank sent, for every case")
+                _("all-reduce of {nbytes} bytes on {n} ranks: you predicted {got!r} "
+                  "bytes per rank, the ranks sent {sent}.").format(
+                    nbytes=nbytes, n=n, got=got, sent=sent), _(
+                            "count the steps of the reduce-scatter and of the "
+                            "all-gather, and the size of the chunk sent in each."))
+    passed(_("your prediction matches the bytes each rank sent, for every case"))

@@ -27,6 +27,7 @@ from dtlib.models.gpt import build_gpt, token_batch
 from dtlib.models.reference import grads_of, reference_gpt_run
 from dtlib.models.sizes import size
 from dtlib.runtime import diagnose, launch
+from dtlib.runtime.i18n import N_, _
 
 #: the book's tiny GPT, the one chapter 3's runs train
 TINY = size("tiny")
@@ -57,12 +58,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> bool:
 
 def _source_of(fn: Callable[..., Any]) -> tuple[str, str]:
     if not callable(fn) or not hasattr(fn, "__name__"):
-        raise WrongAnswer(f"expected a function, got {type(fn).__name__}")
+        raise WrongAnswer(_("expected a function, got {type}").format(
+                              type=type(fn).__name__))
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
-        raise WrongAnswer(f"cannot read the source of {fn.__name__}: define it with "
-                          "`def` in a notebook cell or a file") from None
+        raise WrongAnswer(_("cannot read the source of {name}: define it with `def` "
+                            "in a notebook cell or a file").format(
+                                name=fn.__name__)) from None
     return source, fn.__name__
 
 
@@ -198,7 +201,7 @@ def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for _, g in sorted(grads.items())])
 
 
-_ASYNC_HINT = ("issue the all-reduce with async_op=True and return the future right "
+_ASYNC_HINT = N_("issue the all-reduce with async_op=True and return the future right "
                "away (work.get_future(), with .then(...) for what follows); DDP waits "
                "on it once, at the end of backward ('Seeing the overlap').")
 
@@ -210,36 +213,43 @@ def _judge(res: dict[str, Any], rank: int, world_size: int,
     lines = replica_groups(world_size)
     truth, line = truths[res["replica"]], lines[res["replica"]]
     per = len(line)
-    where = f"on {world_size} ranks, rank {rank}" + (
-        f" (DDP over ranks {line}, one of the replica groups {lines})"
+    where = _("on {world_size} ranks, rank {rank}").format(
+                world_size=world_size, rank=rank) + (
+        _(" (DDP over ranks {line}, one of the replica groups {lines})").format(
+            line=line, lines=lines)
         if len(lines) > 1 else "")
     if res["error"] is not None:
         if "completed()" in res["error"]:
             return WrongAnswer(
-                f"{where}: your hook reads the future's value before the all-reduce "
-                "has completed (fut.value() inside the hook).",
-                "read the value inside a callback, fut.then(lambda f: f.value()[0]), "
-                "which runs once the all-reduce is done")
-        return WrongAnswer(f"{where}: your hook raised {res['error']}",
-                           "return a torch.futures.Future whose value is the bucket's "
-                           "tensor, e.g. dist.all_reduce(..., async_op=True)"
-                           ".get_future().then(...)")
-    how = ("a blocking all-reduce, or a wait() on its work" if res["waits"] else
-           "a wait on its future" if res["stalled"] else None)
+                _("{where}: your hook reads the future's value before the all-reduce "
+                  "has completed (fut.value() inside the hook).").format(where=where),
+                _("read the value inside a callback, fut.then(lambda f: "
+                  "f.value()[0]), which runs once the all-reduce is done"))
+        return WrongAnswer(_("{where}: your hook raised {res_error}").format(
+                               where=where, res_error=res['error']),
+                           _("return a torch.futures.Future whose value is the "
+                             "bucket's tensor, e.g. dist.all_reduce(..., "
+                             "async_op=True).get_future().then(...)"))
+    how = (_("a blocking all-reduce, or a wait() on its work") if res["waits"] else
+           _("a wait on its future") if res["stalled"] else None)
     if how is not None:
         return WrongAnswer(
-            f"{where}: your hook waits for its all-reduce ({how} inside the hook), "
-            "so backward stops at every bucket until the bucket has crossed the "
-            "network: nothing overlaps.", _ASYNC_HINT)
+            _("{where}: your hook waits for its all-reduce ({how} inside the hook), "
+              "so backward stops at every bucket until the bucket has crossed the "
+              "network: nothing overlaps.").format(where=where, how=how),
+            _(_ASYNC_HINT))
     if res["other_ops"]:
         return WrongAnswer(
-            f"{where}: your hook also ran {', '.join(res['other_ops'])}: the exercise "
-            "asks for one all-reduce per bucket and nothing else.",
-            "one dist.all_reduce of bucket.buffer() per hook call.")
+            _("{where}: your hook also ran {join}: the exercise asks for one "
+              "all-reduce per bucket and nothing else.").format(
+                where=where, join=', '.join(res['other_ops'])),
+            _("one dist.all_reduce of bucket.buffer() per hook call."))
     if res["calls"] != res["buckets"]:
         return WrongAnswer(
-            f"{where}: {res['calls']} all-reduce calls for {res['buckets']} "
-            "buckets.", "one dist.all_reduce of bucket.buffer() per hook call.")
+            _("{where}: {res_calls} all-reduce calls for {res_buckets} "
+              "buckets.").format(
+                where=where, res_calls=res['calls'], res_buckets=res['buckets']), _(
+                        "one dist.all_reduce of bucket.buffer() per hook call."))
     got, local = _flat(res["grads"]), _flat(res["local"])
     rel = _rel(world_size, TINY)
     if _close(got, truth, rel):  # right (in a group of one, even a hook that sums)
@@ -247,33 +257,36 @@ def _judge(res: dict[str, Any], rank: int, world_size: int,
     # over the world: its average, or each group's own average summed
     world = (sum(t * len(g) for t, g in zip(truths, lines)) / world_size, sum(truths))
     if len(truths) > 1 and any(_close(got, w, rel) for w in world):
-        return WrongAnswer(f"{where}: your hook averaged over every rank of the world, "
-                           "not over the group DDP gave it.",
-                           "reduce over the hook's first argument: "
-                           "dist.all_reduce(..., group=group), and divide by "
-                           "dist.get_world_size(group)")
+        return WrongAnswer(_("{where}: your hook averaged over every rank of the "
+                             "world, not over the group DDP gave it.").format(
+                               where=where),
+                           _("reduce over the hook's first argument: "
+                             "dist.all_reduce(..., group=group), and divide by "
+                             "dist.get_world_size(group)"))
     if _close(got, truth * per, rel):
-        return WrongAnswer(f"{where}: the gradients are {per} times too large (the "
-                           "number of ranks in the hook's group): the all-reduce sums.",
-                           "divide the buffer by dist.get_world_size(group) (before or "
-                           "after).")
+        return WrongAnswer(_("{where}: the gradients are {per} times too large (the "
+                             "number of ranks in the hook's group): the all-reduce "
+                             "sums.").format(where=where, per=per),
+                           _("divide the buffer by dist.get_world_size(group) (before "
+                             "or after)."))
     if _close(got, local, rel):
-        return WrongAnswer(f"{where}: each rank kept its own gradient: the bucket was "
-                           "not all-reduced, or the future does not return the "
-                           "reduced buffer.")
+        return WrongAnswer(_("{where}: each rank kept its own gradient: the bucket "
+                             "was not all-reduced, or the future does not return the "
+                             "reduced buffer.").format(where=where))
     # The average times a constant: a divisor that is not this world's size.
     scale = float(got @ truth / (truth @ truth))
     if _close(got, scale * truth, rel):
         return WrongAnswer(
-            f"{where}: the gradients are {scale:.3g} times the average: the sum was "
-            f"divided by {per / scale:.3g}, not by the number of ranks in the "
-            f"hook's group ({per}).",
-            "divide by dist.get_world_size(group): the size of the group DDP hands "
-            "the hook, never a constant or the world's size")
+            _("{where}: the gradients are {scale:.3g} times the average: the sum was "
+              "divided by {value:.3g}, not by the number of ranks in the hook's group "
+              "({per}).").format(where=where, scale=scale, value=per / scale, per=per),
+            _("divide by dist.get_world_size(group): the size of the group DDP hands "
+              "the hook, never a constant or the world's size"))
     err = (got - truth).abs().max().item()
-    return WrongAnswer(f"{where}: gradients differ from one process's by up to "
-                       f"{err:.3g}.", "the future's value must be the averaged "
-                       "bucket.buffer().")
+    return WrongAnswer(_("{where}: gradients differ from one process's by up to "
+                         "{err:.3g}.").format(where=where, err=err), _(
+                                 "the future's value must be the averaged "
+                                 "bucket.buffer()."))
 
 
 
@@ -316,11 +329,13 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
                                     [sources[i] for i in todo], stream=False,
                                     timeout=60 + (10 + STALL_S) * (len(todo) - 1))
         except launch.LaunchError as exc:
-            wrong = WrongAnswer(f"on {world_size} ranks your hook failed on a "
-                                f"rank:\n{exc}", "return a torch.futures.Future "
-                                "whose value is the bucket's tensor, e.g. "
-                                "dist.all_reduce(..., async_op=True).get_future()"
-                                ".then(...)")
+            wrong = WrongAnswer(_("on {world_size} ranks your hook failed on a "
+                                  "rank:\n{exc}").format(
+                                    world_size=world_size, exc=exc), _(
+                                            "return a torch.futures.Future whose "
+                                            "value is the bucket's tensor, e.g. "
+                                            "dist.all_reduce(..., "
+                                            "async_op=True).get_future().then(...)"))
             for i in todo:
                 verdicts[i] = wrong
             continue
@@ -340,13 +355,13 @@ def hook_verdicts(hooks: list[Callable[..., Any]], world_sizes: tuple[int, ...] 
 #: What ``check_bucket_hook`` switches off while the learner's function runs.
 _BUCKET_HOOK_FORBIDS = {
     'torch.distributed.algorithms.ddp_comm_hooks.default_hooks:allreduce_hook':
-        "torch's own averaging hook",
+        N_("torch's own averaging hook"),
     'torch.distributed.algorithms.ddp_comm_hooks.default_hooks:_allreduce_fut':
-        "torch's own averaging hook",
+        N_("torch's own averaging hook"),
     'dtlib.data_parallel.buckets:allreduce_buckets':
-        "the book's own bucket all-reduce",
+        N_("the book's own bucket all-reduce"),
     'dtlib.data_parallel.buckets:allreduce_grads':
-        "the book's own gradient all-reduce",
+        N_("the book's own gradient all-reduce"),
 }
 
 
@@ -365,9 +380,9 @@ def check_bucket_hook(hook: Callable[..., Any],
     wrong = hook_verdicts([hook], world_sizes)[0]
     if wrong is not None:
         raise wrong
-    passed(f"your hook averaged every bucket with one asynchronous all-reduce; the "
-           f"gradients equal one process's on {' and '.join(map(str, world_sizes))} "
-           "ranks")
+    passed(_("your hook averaged every bucket with one asynchronous all-reduce; the "
+             "gradients equal one process's on {join} ranks").format(
+               join=' and '.join(map(str, world_sizes))))
 
 
 # ---- build it: DistributedSampler's indices, from scratch -------------------------
@@ -388,10 +403,11 @@ def _contiguous(order: list[int], world_size: int, rank: int) -> list[int]:
 #: What ``check_sampler_indices`` switches off while the learner's function runs.
 _SAMPLER_INDICES_FORBIDS = {
     'torch.utils.data.distributed:DistributedSampler.__iter__':
-        "torch's sampler itself",
-    'dtlib.data_parallel.sampling:shards': "the book's own sampler",
-    'dtlib.data_parallel.sampling:epoch_orders': "the book's own sampler",
-    'dtlib.data_parallel.sampling:ResumableSampler.__iter__': "the book's own sampler",
+        N_("torch's sampler itself"),
+    'dtlib.data_parallel.sampling:shards': N_("the book's own sampler"),
+    'dtlib.data_parallel.sampling:epoch_orders': N_("the book's own sampler"),
+    'dtlib.data_parallel.sampling:ResumableSampler.__iter__':
+        N_("the book's own sampler"),
 }
 
 
@@ -418,14 +434,18 @@ def check_sampler_indices(sampler_indices: Callable[[int, int, int, int, int],
         for epoch in range(epochs):
             want = sampling.shards(n, world_size, epoch=epoch, seed=sampler_seed)
             for rank in range(world_size):
-                where = (f"dataset_len={n}, world_size={world_size}, rank={rank}, "
-                         f"epoch={epoch}, seed={sampler_seed}")
+                where = (_("dataset_len={n}, world_size={world_size}, rank={rank}, "
+                           "epoch={epoch}, seed={sampler_seed}").format(
+                             n=n, world_size=world_size, rank=rank, epoch=epoch,
+                             sampler_seed=sampler_seed))
                 got = sampler_indices(n, world_size, rank, epoch, sampler_seed)
                 try:
                     got = [int(i) for i in got]
                 except TypeError:
-                    raise WrongAnswer(f"{where}: return a list of indices, got "
-                                      f"{type(got).__name__}") from None
+                    raise WrongAnswer(_("{where}: return a list of indices, "
+                                        "got {type}").format(
+                                          where=where,
+                                          type=type(got).__name__)) from None
                 if got == want[rank]:
                     continue
                 order = torch.randperm(
@@ -434,23 +454,25 @@ def check_sampler_indices(sampler_indices: Callable[[int, int, int, int, int],
                     n, generator=torch.Generator().manual_seed(sampler_seed + epoch)
                 ).tolist()
                 if len(got) != per:
-                    hint = (f"every rank reads ceil({n} / {world_size}) = {per} "
-                            "indices: the sampler pads by repeating the shuffled "
-                            "order from its start, as many times as needed")
+                    hint = (_("every rank reads ceil({n} / {world_size}) = {per} "
+                              "indices: the sampler pads by repeating the shuffled "
+                              "order from its start, as many times as needed").format(
+                                n=n, world_size=world_size, per=per))
                 elif epoch and got == sampling.shards(n, world_size, epoch=0,
                                                        seed=sampler_seed)[rank]:
-                    hint = ("the same order as epoch 0: the generator is seeded with "
-                            "seed + epoch, which is what set_epoch changes")
+                    hint = (_("the same order as epoch 0: the generator is seeded "
+                              "with seed + epoch, which is what set_epoch changes"))
                 elif got == _contiguous(full, world_size, rank):
-                    hint = ("the sampler deals the padded order round-robin: rank r "
-                            "takes positions r, r + world_size, ...")
+                    hint = (_("the sampler deals the padded order round-robin: rank r "
+                              "takes positions r, r + world_size, ..."))
                 elif got == _contiguous(order, world_size, rank) or sorted(got) == \
                         sorted(want[rank]):
-                    hint = "right indices, wrong order or dealing"
+                    hint = _("right indices, wrong order or dealing")
                 else:
-                    hint = ("shuffle with torch.randperm(dataset_len, generator=g), "
-                            "g = torch.Generator().manual_seed(seed + epoch)")
-                raise WrongAnswer(f"{where}: got {got}, DistributedSampler gives "
-                                  f"{want[rank]}.", hint)
-    passed(f"your indices equal DistributedSampler's on {len(cases)} "
-           "datasets, every rank and epoch, padding included")
+                    hint = (_("shuffle with torch.randperm(dataset_len, generator=g), "
+                              "g = torch.Generator().manual_seed(seed + epoch)"))
+                raise WrongAnswer(_("{where}: got {got}, DistributedSampler gives "
+                                    "{want}.").format(
+                                      where=where, got=got, want=want[rank]), hint)
+    passed(_("your indices equal DistributedSampler's on {n_cases} datasets, every "
+             "rank and epoch, padding included").format(n_cases=len(cases)))

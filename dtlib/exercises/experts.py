@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from dtlib.collectives.accounting import count_comms
 from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
 from dtlib.runtime.dist import world
+from dtlib.runtime.i18n import N_, _
 
 DISPATCH_WORLD = 3
 _HIDDEN = 4
@@ -108,64 +109,74 @@ def judge_dispatch(ranks: list[list[dict[str, Any]]]) -> None:
     n = len(ranks)
     for r, records in enumerate(ranks):
         for rec in records:
-            where = f"rank {r}, case {rec['case']}"
+            where = _("rank {r}, case {rec_case}").format(r=r, rec_case=rec['case'])
             a2a = rec["a2a"]
             if rec.get("others"):
                 raise WrongAnswer(
-                    f"{where}: your dispatch also ran {', '.join(rec['others'])}; "
-                    "expert parallelism's dispatch is two all-to-alls and nothing "
-                    "else (each rank learns only what is sent to it).",
-                    "exchange the counts with one all-to-all, then the rows with "
-                    "another; no rank needs the others' destinations")
+                    _("{where}: your dispatch also ran {join}; expert parallelism's "
+                      "dispatch is two all-to-alls and nothing else (each rank learns "
+                      "only what is sent to it).").format(
+                        where=where, join=', '.join(rec['others'])),
+                    _("exchange the counts with one all-to-all, then the rows with "
+                      "another; no rank needs the others' destinations"))
             if len(a2a) < 2:
                 raise WrongAnswer(
-                    f"{where}: {len(a2a)} all-to-all call(s); a dispatch needs two.",
-                    "a rank cannot size its receive buffer until it knows how many "
-                    "rows each peer sends it: exchange the counts first (one "
-                    "all-to-all of one integer per rank), then the rows")
+                    _("{where}: {n_a2a} all-to-all call(s); a dispatch needs "
+                      "two.").format(where=where, n_a2a=len(a2a)),
+                    _("a rank cannot size its receive buffer until it knows how many "
+                      "rows each peer sends it: exchange the counts first (one "
+                      "all-to-all of one integer per rank), then the rows"))
             numel, nbytes = a2a[0]
             if numel != n or nbytes // max(numel, 1) not in (4, 8):
                 raise WrongAnswer(
-                    f"{where}: the first all-to-all moved {numel} elements of "
-                    f"{nbytes // max(numel, 1)} bytes; the counts are one integer "
-                    "per rank.", "count the rows for each destination "
-                    "(torch.bincount(dest, minlength=world_size)) and exchange those")
+                    _("{where}: the first all-to-all moved {numel} elements of "
+                      "{value} bytes; the counts are one integer per rank.").format(
+                        where=where, numel=numel, value=nbytes // max(numel, 1)), _(
+                                "count the rows for each destination "
+                                "(torch.bincount(dest, minlength=world_size)) and "
+                                "exchange those"))
             got, want = rec["got"], rec["want"]
             if rec.get("unstable"):
                 raise WrongAnswer(
-                    f"{where}: your dispatch sorts destinations with ties without "
-                    "stable=True. Here, on a CPU, torch sorts stably anyway; on a GPU "
-                    "rows bound for one rank may come back in any order, and the "
-                    "receiver can no longer tell which token is which.",
-                    "torch.argsort(dest, stable=True)")
+                    _("{where}: your dispatch sorts destinations with ties without "
+                      "stable=True. Here, on a CPU, torch sorts stably anyway; on a "
+                      "GPU rows bound for one rank may come back in any order, and "
+                      "the receiver can no longer tell which token is which.").format(
+                        where=where),
+                    _("torch.argsort(dest, stable=True)"))
             if isinstance(got, str):
-                raise WrongAnswer(f"{where}: dispatch returned {got}, not a tensor.")
+                raise WrongAnswer(_("{where}: dispatch returned {got}, not a "
+                                    "tensor.").format(where=where, got=got))
             if got.shape != want.shape:
                 raise WrongAnswer(
-                    f"{where}: received {tuple(got.shape)[0]} rows; one process says "
-                    "this rank gets a different number.", "row i goes to rank "
-                    "dest[i]: the counts sent and the rows sent must agree")
+                    _("{where}: received {shape_0} rows; one process says this rank "
+                      "gets a different number.").format(
+                        where=where, shape_0=tuple(got.shape)[0]), _(
+                                "row i goes to rank dest[i]: the counts sent and the "
+                                "rows sent must agree"))
             if not torch.equal(got, want):
-                hint = ("the rows go to rank dest[i], grouped by destination before "
-                        "the all-to-all (a stable sort keeps each source's order), and "
-                        "arrive grouped by source rank")
+                hint = (_("the rows go to rank dest[i], grouped by destination before "
+                          "the all-to-all (a stable sort keeps each source's order), "
+                          "and arrive grouped by source rank"))
                 if sorted(got[:, 0].tolist()) == sorted(want[:, 0].tolist()):
-                    raise WrongAnswer(f"{where}: the right rows in the wrong order.",
+                    raise WrongAnswer(_("{where}: the right rows in the "
+                                        "wrong order.").format(where=where),
                                       hint)
-                raise WrongAnswer(f"{where}: received rows meant for another rank.",
+                raise WrongAnswer(_("{where}: received rows meant for "
+                                    "another rank.").format(where=where),
                                   hint)
-    passed(f"on {n} ranks, equal and uneven splits and a rank that receives nothing: "
-           "every rank got exactly its rows, counts first")
+    passed(_("on {n} ranks, equal and uneven splits and a rank that receives nothing: "
+             "every rank got exactly its rows, counts first").format(n=n))
 
 
 #: What ``check_dispatch`` switches off while the learner's function runs.
 _DISPATCH_FORBIDS = {
-    'dtlib.exercises.experts:_truth': "the checker's truth",
-    'dtlib.expert_parallel.all_to_all:all_to_all': "the book's own dispatch",
-    'dtlib.expert_parallel.all_to_all:exchange_counts': "the book's own dispatch",
-    'dtlib.expert_parallel.all_to_all:AllToAll.forward': "the book's own dispatch",
+    'dtlib.exercises.experts:_truth': N_("the checker's truth"),
+    'dtlib.expert_parallel.all_to_all:all_to_all': N_("the book's own dispatch"),
+    'dtlib.expert_parallel.all_to_all:exchange_counts': N_("the book's own dispatch"),
+    'dtlib.expert_parallel.all_to_all:AllToAll.forward': N_("the book's own dispatch"),
     'dtlib.expert_parallel.layer:ExpertParallelMoE.forward':
-        "the book's own MoE layer",
+        N_("the book's own MoE layer"),
 }
 
 
@@ -189,5 +200,5 @@ def check_dispatch(dispatch: Callable[..., torch.Tensor],
     """
     content_seed = random.Random(seed).randrange(2 ** 31)  # the rows' values
     ranks = run_on_ranks(dispatch_on_rank, dispatch, DISPATCH_WORLD, content_seed,
-                         what="your dispatch")
+                         what=_("your dispatch"))
     judge_dispatch(ranks)

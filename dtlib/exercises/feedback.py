@@ -21,11 +21,13 @@ class WrongAnswer(AssertionError):
         what, sep, embedded = message.partition(" Hint: ")
         if not sep:
             what, sep, embedded = message.partition("\nHint: ")
+        if not sep:  # a translated message: its own word for "Hint"
+            what, sep, embedded = message.partition(_(" Hint: ").strip())
         self.what = what.rstrip()
         self.hint = (hint or embedded).strip()
         self.attempt = 1
         self.exercise = ""
-        super().__init__(self.what + (f" Hint: {self.hint}" if self.hint else ""))
+        super().__init__(self.what + (_(" Hint: ") + self.hint if self.hint else ""))
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing a traceback: the learner sees the

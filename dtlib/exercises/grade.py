@@ -47,7 +47,15 @@ def _prefixes(message: str, field: str) -> list[str]:
             out.append(_(message).split(field)[0])
     return out
 
-__all__ = ["EXERCISE_LABEL", "Row", "STATUSES", "grade_notebook", "grade_paths", "main"]
+
+def verdict_prefixes() -> tuple[list[str], list[str]]:
+    """How a "Correct" line and a "Not attempted" line start, in every language the
+    checkers speak (what a grader or the mutation harness looks for)."""
+    return _prefixes(_CORRECT, "{what}"), _prefixes(_NOT_ATTEMPTED, "{name}")
+
+
+__all__ = ["EXERCISE_LABEL", "Row", "STATUSES", "grade_notebook", "grade_paths", "main",
+           "verdict_prefixes"]
 
 STATUSES = ("correct", "wrong", "not attempted", "error")
 #: An exercise block of a page and its label (group 1).

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from dtlib.context_parallel.volume import cp_volume
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.runtime.dist import world
+from dtlib.runtime.i18n import N_, _
 
 
 #: What ``check_cp_volume`` switches off while the learner's function runs.
 _CP_VOLUME_FORBIDS = {
-    'dtlib.context_parallel.volume:cp_volume': "the checker's truth",
+    'dtlib.context_parallel.volume:cp_volume': N_("the checker's truth"),
 }
 
 
@@ -41,25 +42,26 @@ def check_cp_volume(predict: Callable[[int, int, int, int], dict[str, Any]],
     """
     rng = random.Random(seed)
     drawn = []
-    for _ in range(3):
+    for _draw in range(3):
         cp = rng.randint(1, 8)
         drawn.append((rng.randint(1, 8), 2 * cp * rng.randint(1, 256),
                       cp * rng.randint(1, 256), cp))
     for b, s, h, cp in (*cases, *drawn):
         got = predict(b, s, h, cp)
         if not isinstance(got, Mapping):
-            raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
+            raise WrongAnswer(_("predict must return a dict, got {type}").format(
+                                  type=type(got).__name__))
         truth = cp_volume(b, s, h, cp, n_heads=cp)
         where = f"b={b}, s={s}, h={h}, cp={cp}"
         check_close(f"{where}: ring", got.get("ring"), truth.ring_forward, hint=(
-            "a rank passes on K and V (each b x s/cp x h) once per hop, and a block "
-            "needs cp - 1 hops to visit every other rank"))
+            _("a rank passes on K and V (each b x s/cp x h) once per hop, and a block "
+              "needs cp - 1 hops to visit every other rank")))
         check_close(f"{where}: ulysses", got.get("ulysses"), truth.ulysses_forward,
-                    hint=("four all-to-alls (q, k, v in; the output back), each of a "
-                          "b x s/cp x h tensor of which a rank keeps 1/cp"))
-    passed("ring attention sends 2(cp-1) b (s/cp) h values per layer, Ulysses "
-           "4 b (s/cp) h (cp-1)/cp: at a fixed sequence the ring's volume rises "
-           "toward 2bsh while Ulysses' falls as 1/cp")
+                    hint=(_("four all-to-alls (q, k, v in; the output back), each of "
+                            "a b x s/cp x h tensor of which a rank keeps 1/cp")))
+    passed(_("ring attention sends 2(cp-1) b (s/cp) h values per layer, Ulysses 4 b "
+             "(s/cp) h (cp-1)/cp: at a fixed sequence the ring's volume rises toward "
+             "2bsh while Ulysses' falls as 1/cp"))
 
 
 # ---- build it: attention over a sequence split across ranks, on real ranks ----------
@@ -139,39 +141,47 @@ def judge_ring_step(ranks: list[list[dict[str, Any]]]) -> None:
             got, want = rec["got"], rec["want"]
             where = f"rank {r}, (b, a, s, d) = {rec['shape']}"
             if isinstance(got, str):
-                raise WrongAnswer(f"{where}: attend returned {got}, not a tensor.")
+                raise WrongAnswer(_("{where}: attend returned {got}, not a "
+                                    "tensor.").format(where=where, got=got))
             if got.shape != want.shape:
-                raise WrongAnswer(f"{where}: the output has shape {tuple(got.shape)}; "
-                                  "return this rank's query rows, the shape of its q.")
+                raise WrongAnswer(_("{where}: the output has shape {shape}; return "
+                                    "this rank's query rows, the shape of "
+                                    "its q.").format(
+                                      where=where, shape=tuple(got.shape)))
             if got.dtype != want.dtype:
-                raise WrongAnswer(f"{where}: the output is {got.dtype}, the inputs "
-                                  f"{want.dtype}: keep the inputs' dtype.")
+                raise WrongAnswer(_("{where}: the output is {dtype}, the inputs "
+                                    "{dtype2}: keep the inputs' dtype.").format(
+                                      where=where, dtype=got.dtype,
+                                      dtype2=want.dtype))
             err = (got - want).abs().max().item()
             if err <= _ring_bound(want):
                 continue
             if err <= 1e-5 * want.abs().max().item():
                 raise WrongAnswer(
-                    f"{where}: close to full attention, but only to about float32 "
-                    "precision, on float64 inputs.", "some buffer or intermediate "
-                    "is float32: allocate with the inputs' dtype (or "
-                    "torch.promote_types(torch.float32, q.dtype))")
+                    _("{where}: close to full attention, but only to about float32 "
+                      "precision, on float64 inputs.").format(where=where), _(
+                              "some buffer or intermediate is float32: allocate with "
+                              "the inputs' dtype (or "
+                              "torch.promote_types(torch.float32, q.dtype))"))
             raise WrongAnswer(
-                f"{where}: differs from full attention over the whole sequence.",
-                "every query attends to every key, this rank's and the other ranks': "
-                "bring the other K/V blocks here (a ring of send/recv, or an "
-                "all-gather), scale the scores by 1/sqrt(d), and merge the blocks' "
-                "results with their log-sum-exps, not by averaging")
+                _("{where}: differs from full attention over the whole "
+                  "sequence.").format(where=where),
+                _("every query attends to every key, this rank's and the other "
+                  "ranks': bring the other K/V blocks here (a ring of send/recv, or "
+                  "an all-gather), scale the scores by 1/sqrt(d), and merge the "
+                  "blocks' results with their log-sum-exps, not by averaging"))
 
 
 #: What ``check_ring_step`` switches off while the learner's function runs.
 _RING_STEP_FORBIDS = {
-    'dtlib.exercises.long_sequences:_full_attention': "the checker's truth",
+    'dtlib.exercises.long_sequences:_full_attention': N_("the checker's truth"),
     'dtlib.context_parallel.ring_attention:ring_attention':
-        "the book's own ring attention",
+        N_("the book's own ring attention"),
     'dtlib.context_parallel.ring_attention:RingAttention.forward':
-        "the book's own ring attention",
-    'dtlib.context_parallel.ring_attention:ring_exchange': "the book's own ring step",
-    'dtlib.context_parallel.ulysses:ulysses_attention': "the book's own Ulysses",
+        N_("the book's own ring attention"),
+    'dtlib.context_parallel.ring_attention:ring_exchange':
+        N_("the book's own ring step"),
+    'dtlib.context_parallel.ulysses:ulysses_attention': N_("the book's own Ulysses"),
 }
 
 
@@ -193,7 +203,8 @@ def check_ring_step(attend: Callable[..., torch.Tensor],
     """
     content_seed = random.Random(seed).randrange(2 ** 31)  # q, k and v's values
     ranks = run_on_ranks(ring_step_on_rank, attend, RING_WORLD, content_seed,
-                         what="your attend")
+                         what=_("your attend"))
     judge_ring_step(ranks)
-    passed(f"on {RING_WORLD} ranks, for {len(_RING_SHAPES)} shapes, each rank's rows "
-           "equal full attention over the whole sequence")
+    passed(_("on {ring_world} ranks, for {n__ring_shapes} shapes, each rank's rows "
+             "equal full attention over the whole sequence").format(
+               ring_world=RING_WORLD, n__ring_shapes=len(_RING_SHAPES)))

@@ -7,6 +7,7 @@ from typing import Any, Callable
 from dtlib.exercises import (WrongAnswer, as_number, check_close, checker, passed,
                              run_on_ranks)
 from dtlib.memory.formulas import GB, TrainingConfig, estimate, model_state_bytes
+from dtlib.runtime.i18n import N_, _
 
 # The model of the third exercise: a 13B-class GPT trained on 64 data-parallel GPUs.
 FIT_MODEL = dict(n_layers=40, hidden=5120, n_heads=40, vocab_size=50257,
@@ -18,7 +19,7 @@ RECOMPUTES = ("none", "selective", "full")
 RESERVED_MAX_FRACTION = 0.1
 
 
-_BYTES_HINT = ("list every copy a parameter has during a mixed-precision Adam step "
+_BYTES_HINT = N_("list every copy a parameter has during a mixed-precision Adam step "
                "(weights, gradient, what the optimizer keeps) with its dtype; "
                "'The corrected accounting' names them")
 
@@ -26,19 +27,19 @@ _BYTES_HINT = ("list every copy a parameter has during a mixed-precision Adam st
 @checker
 def check_bytes_per_param(answer: float) -> None:
     """Bytes per parameter of mixed-precision Adam (params + grads + optimizer)."""
-    hints = {10: "that is the seed's mistake: every copy in the 16-bit dtype. The "
-                 "optimizer keeps an fp32 master copy and both moments in fp32.",
-             12: "12 is K, the optimizer state alone (master copy and moments). "
-                 "What else does each parameter keep in memory while it trains?",
-             14: "one 16-bit copy is missing: what does backward() write for each "
-                 "parameter?",
-             8: "8 bytes are Adam's two fp32 moments; the optimizer keeps more, and "
-                "so does the model itself."}
+    hints = {10: _("that is the seed's mistake: every copy in the 16-bit dtype. The "
+                   "optimizer keeps an fp32 master copy and both moments in fp32."),
+             12: _("12 is K, the optimizer state alone (master copy and moments). "
+                   "What else does each parameter keep in memory while it trains?"),
+             14: _("one 16-bit copy is missing: what does backward() write for each "
+                   "parameter?"),
+             8: _("8 bytes are Adam's two fp32 moments; the optimizer keeps more, and "
+                  "so does the model itself.")}
     if as_number(answer) is not None and as_number(answer) in hints:
-        raise WrongAnswer(f"bytes per parameter: got {answer!r}; " + hints[answer],
-                          _BYTES_HINT)
-    check_close("bytes per parameter", answer, 16.0, hint=_BYTES_HINT)
-    passed("mixed-precision Adam holds 2 + 2 + 12 = 16 bytes per parameter")
+        raise WrongAnswer(_("bytes per parameter: got {answer!r}; ").format(
+            answer=answer) + hints[answer], _(_BYTES_HINT))
+    check_close(_("bytes per parameter"), answer, 16.0, hint=_(_BYTES_HINT))
+    passed(_("mixed-precision Adam holds 2 + 2 + 12 = 16 bytes per parameter"))
 
 
 #: The exercise's model and data-parallel degree (Chapter 1, "ZeRO-2 by hand").
@@ -52,24 +53,26 @@ def check_zero2_gb(n_params: float, dp: int, answer_gb: float) -> None:
     N_d = 1, where every stage holds everything) is refused."""
     if (as_number(n_params), as_number(dp)) != (ZERO2_PSI, ZERO2_DP):
         raise WrongAnswer(
-            f"you passed Psi={n_params!r}, N_d={dp!r}: the exercise's model is "
-            f"Psi = {ZERO2_PSI:.3g} parameters on N_d = {ZERO2_DP} GPUs; keep them "
-            "and compute the answer for those")
+            _("you passed Psi={n_params!r}, N_d={dp!r}: the exercise's model is "
+              "Psi = {psi:.3g} parameters on N_d = {n_d} GPUs; keep them "
+              "and compute the answer for those").format(
+                  n_params=n_params, dp=dp, psi=ZERO2_PSI, n_d=ZERO2_DP))
     truth = {s: model_state_bytes(n_params, zero_stage=s, dp=dp).total / GB
              for s in STAGES}
-    for s, name in ((0, "plain data parallelism"), (1, "ZeRO-1"), (3, "ZeRO-3")):
+    for s, name in ((0, _("plain data parallelism")), (1, "ZeRO-1"), (3, "ZeRO-3")):
         if as_number(answer_gb) is not None \
                 and abs(as_number(answer_gb) - truth[s]) <= 1e-3 * truth[s] \
                 and abs(truth[s] - truth[2]) > 1e-3 * truth[2]:
             raise WrongAnswer(
-                f"ZeRO-2 memory: {answer_gb!r} GB is the {name} figure. ZeRO-2 "
-                "partitions the optimizer state and the gradients, not the params.")
-    check_close("ZeRO-2 memory (GB)", answer_gb, truth[2], rel=1e-3,
-                hint="which of the three model states does ZeRO-2 split over the N_d "
-                     "ranks, and which stays whole on every rank? ('ZeRO: sharding the "
-                     "model states'; GB = 1e9 bytes)")
-    passed(f"ZeRO-2 holds {truth[2]:.2f} GB per device for Psi={n_params:.3g}, "
-           f"N_d={dp}")
+                _("ZeRO-2 memory: {answer_gb!r} GB is the {name} figure. ZeRO-2 "
+                  "partitions the optimizer state and the gradients, not the "
+                  "params.").format(answer_gb=answer_gb, name=name))
+    check_close(_("ZeRO-2 memory (GB)"), answer_gb, truth[2], rel=1e-3,
+                hint=_("which of the three model states does ZeRO-2 split over the "
+                       "N_d ranks, and which stays whole on every rank? ('ZeRO: "
+                       "sharding the model states'; GB = 1e9 bytes)"))
+    passed(_("ZeRO-2 holds {gb:.2f} GB per device for Psi={n_params:.3g}, "
+             "N_d={dp}").format(gb=truth[2], n_params=n_params, dp=dp))
 
 
 def fitting_combinations(device_gb: float = 80.0,
@@ -106,42 +109,49 @@ def check_fitting_combinations(answer, device_gb: float = 80.0) -> None:
     try:
         got = {(int(s), str(r)) for s, r in answer}
     except (TypeError, ValueError):
-        raise WrongAnswer(f"expected a set of (zero_stage, recompute) pairs such as "
-                          f"{{(3, 'full')}}, got {answer!r}") from None
+        raise WrongAnswer(_("expected a set of (zero_stage, recompute) pairs such "
+                            "as {example}, got {answer!r}").format(
+                                example="{(3, 'full')}", answer=answer)) from None
     bad = [p for p in got if p[0] not in STAGES or p[1] not in RECOMPUTES]
     if bad:
-        raise WrongAnswer(f"unknown pairs {sorted(bad)}: stages are {STAGES}, "
-                          f"recompute is one of {RECOMPUTES}")
+        raise WrongAnswer(_("unknown pairs {bad}: stages are {stages}, recompute is "
+                            "one of {recomputes}").format(
+                                bad=sorted(bad), stages=STAGES, recomputes=RECOMPUTES))
     most = fitting_combinations(device_gb)  # no margin: the largest right set
     fewest = fitting_combinations(device_gb, RESERVED_MAX_FRACTION * device_gb)
 
     def gb(pair):
         e = estimate(TrainingConfig(**FIT_MODEL, zero_stage=pair[0], recompute=pair[1]))
-        return f"{pair}: {e.model_states / GB:.1f} GB states + " \
-               f"{e.activations / GB:.1f} GB activations"
+        return _("{pair}: {states:.1f} GB states + {acts:.1f} GB activations").format(
+            pair=pair, states=e.model_states / GB, acts=e.activations / GB)
 
     extra = sorted(got - most)
     if extra:
-        raise WrongAnswer(f"these do not fit on {device_gb:g} GB: "
-                          + "; ".join(gb(p) for p in extra))
+        raise WrongAnswer(_("these do not fit on {device_gb:g} GB: ").format(
+            device_gb=device_gb) + "; ".join(gb(p) for p in extra))
     missing = sorted(fewest - got)
     if missing:
-        raise WrongAnswer(f"you left out {len(missing)} pair(s) that fit even with "
-                          f"{100 * RESERVED_MAX_FRACTION:g} % of the device set aside, "
-                          f"e.g. {gb(missing[0])}. Hint: check every stage with every "
-                          "recompute choice.")
+        raise WrongAnswer(_("you left out {n} pair(s) that fit even with {pct:g} % "
+                            "of the device set aside, e.g. {example}. Hint: check "
+                            "every stage with every recompute choice.").format(
+                                n=len(missing), pct=100 * RESERVED_MAX_FRACTION,
+                                example=gb(missing[0])))
     # A margin keeps out the pairs above some total: each pair left out must need
     # more than each pair kept.
     if got and (most - got):
         kept, left = max(map(_fit_total_gb, got)), min(map(_fit_total_gb, most - got))
         if left <= kept:
             raise WrongAnswer(
-                "no single reserved margin gives this set: you left out a pair that "
-                "needs less memory than one you kept.",
-                "a margin set aside with fits(device_gb, reserved_gb=...) removes the "
-                "pairs with the largest totals first")
-    margin = "" if got == most else " with a reserved margin"
-    passed(f"{len(got)} of the 12 combinations fit on {device_gb:g} GB{margin}")
+                _("no single reserved margin gives this set: you left out a pair that "
+                  "needs less memory than one you kept."),
+                _("a margin set aside with fits(device_gb, reserved_gb=...) removes "
+                  "the pairs with the largest totals first"))
+    if got == most:
+        passed(_("{n} of the 12 combinations fit on {device_gb:g} GB").format(
+            n=len(got), device_gb=device_gb))
+    else:
+        passed(_("{n} of the 12 combinations fit on {device_gb:g} GB with a reserved "
+                 "margin").format(n=len(got), device_gb=device_gb))
 
 
 # ---- build it: a layer's saved activations, counted on ranks -----------------------
@@ -218,12 +228,12 @@ def saved_bytes_truth(seq_len: int, hidden: int, n_heads: int,
 
 #: What ``check_saved_bytes`` switches off while the learner's function runs.
 _SAVED_BYTES_FORBIDS = {
-    'dtlib.exercises.memory:saved_bytes_truth': "the checker's truth",
+    'dtlib.exercises.memory:saved_bytes_truth': N_("the checker's truth"),
     'dtlib.memory.formulas:activation_bytes':
-        "the book's per-layer formula, the checker's truth",
-    'dtlib.memory.measure:measure_activations': "the book's own counter",
-    'dtlib.memory.measure:measure_gpt_layer': "the book's own counter",
-    'dtlib.memory.measure:gpt_layer_activation_terms': "the book's own counter",
+        N_("the book's per-layer formula, the checker's truth"),
+    'dtlib.memory.measure:measure_activations': N_("the book's own counter"),
+    'dtlib.memory.measure:measure_gpt_layer': N_("the book's own counter"),
+    'dtlib.memory.measure:gpt_layer_activation_terms': N_("the book's own counter"),
 }
 
 
@@ -238,7 +248,7 @@ def check_saved_bytes(count: Callable[..., Any]) -> None:
     not show.
     """
     judge_saved_bytes(run_on_ranks(saved_on_rank, count, 2,
-                                   what="your saved-bytes count"))
+                                   what=_("your saved-bytes count")))
 
 
 def judge_saved_bytes(ranks: list[list[Any]]) -> None:
@@ -254,35 +264,40 @@ def judge_saved_bytes(ranks: list[list[Any]]) -> None:
     """
     for i, (s, h, a, *batches) in enumerate(SAVED_CASES):
         got = [r[i] for r in ranks]
-        where = (f"a block with s={s}, h={h}, a={a}, micro-batch {batches[0]} on "
-                 f"rank 0 and {batches[1]} on rank 1")
+        where = _("a block with s={s}, h={h}, a={a}, micro-batch {b0} on rank 0 and "
+                  "{b1} on rank 1").format(s=s, h=h, a=a, b0=batches[0], b1=batches[1])
         silent = [isinstance(g, str) and g.startswith(_NO_COLLECTIVE) for g in got]
         got = [_number_or_repr(g[len(_NO_COLLECTIVE):]) if quiet else g
                for g, quiet in zip(got, silent)]
         if any(isinstance(g, str) for g in got):
-            raise WrongAnswer(f"{where}: return a number of bytes, got {got}")
+            raise WrongAnswer(_("{where}: return a number of bytes, got {got}").format(
+                where=where, got=got))
         truth = saved_bytes_truth(s, h, a, tuple(batches))
         mine = [saved_bytes_truth(s, h, a, (b,)) for b in batches]
         if got[0] != got[1]:
             raise WrongAnswer(
-                f"{where}: rank 0 returned {got[0]:g}, rank 1 {got[1]:g}.",
-                "each rank counts its own tensors; every rank must return the sum "
-                "over all ranks (dist.all_reduce of a tensor holding the count)")
+                _("{where}: rank 0 returned {got0:g}, rank 1 {got1:g}.").format(
+                    where=where, got0=got[0], got1=got[1]),
+                _("each rank counts its own tensors; every rank must return the sum "
+                  "over all ranks (dist.all_reduce of a tensor holding the count)"))
         if got[0] == mine[0] or got[0] == mine[1]:
-            raise WrongAnswer(f"{where}: {got[0]:g} bytes is one rank's own count, "
-                              "not the sum over the ranks.")
+            raise WrongAnswer(_("{where}: {got:g} bytes is one rank's own count, "
+                                "not the sum over the ranks.").format(
+                                    where=where, got=got[0]))
         if got[0] != truth:
-            side = "too many" if got[0] > truth else "too few"
+            side = _("too many") if got[0] > truth else _("too few")
             raise WrongAnswer(
-                f"{where}: {got[0]:g} bytes summed over the ranks, {side}.",
-                "count bytes (untyped_storage().nbytes()), each storage once (the "
-                "softmax output is saved by two ops; a view shares its base's "
-                "storage), and leave out the parameters a linear layer saves")
+                _("{where}: {got:g} bytes summed over the ranks, {side}.").format(
+                    where=where, got=got[0], side=side),
+                _("count bytes (untyped_storage().nbytes()), each storage once (the "
+                  "softmax output is saved by two ops; a view shares its base's "
+                  "storage), and leave out the parameters a linear layer saves"))
         if any(silent):
             raise WrongAnswer(
-                f"{where}: the right sum, but rank {silent.index(True)} found it "
-                "without any collective: each rank holds only its own micro-batch, "
-                "so only communication can tell it the others' counts.",
-                "all-reduce a tensor holding this rank's count")
-    passed("your count equals the per-layer formula, summed over both ranks, for "
-           f"{len(SAVED_CASES)} shapes")
+                _("{where}: the right sum, but rank {rank} found it without any "
+                  "collective: each rank holds only its own micro-batch, so only "
+                  "communication can tell it the others' counts.").format(
+                      where=where, rank=silent.index(True)),
+                _("all-reduce a tensor holding this rank's count"))
+    passed(_("your count equals the per-layer formula, summed over both ranks, for "
+             "{n} shapes").format(n=len(SAVED_CASES)))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.planner.published import TABLE4_LLAMA3, Llama3Row
 from dtlib.runtime.dist import world
+from dtlib.runtime.i18n import N_, _
 
 _FP32 = 4  # bytes per element: the chapter's runs are float32
 
@@ -48,26 +49,29 @@ def check_predict_bytes(predict: Callable[..., dict[str, Any]],
     """
     rng = random.Random(seed)
     drawn = []
-    for _ in range(3):
+    for _draw in range(3):
         dp = rng.randint(1, 8)
         drawn.append((rng.randint(1, 48), rng.randint(1, 4096), rng.randint(1, 4096),
                       dp * rng.randint(1, 16), dp, rng.randint(1, 10 ** 9)))
     for n_layers, s, h, batch, dp, numel in (*cases, *drawn):
         got = predict(n_layers, s, h, batch, dp, numel)
         if not isinstance(got, Mapping):
-            raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
-        where = (f"n_layers={n_layers}, seq_len={s}, hidden={h}, batch={batch}, "
-                 f"dp={dp}, local_numel={numel}")
+            raise WrongAnswer(_("predict must return a dict, got {type}").format(
+                                  type=type(got).__name__))
+        where = (_("n_layers={n_layers}, seq_len={s}, hidden={h}, batch={batch}, "
+                   "dp={dp}, local_numel={numel}").format(
+                     n_layers=n_layers, s=s, h=h, batch=batch, dp=dp, numel=numel))
         check_close(f"{where}: tp", got.get("tp"),
                     4 * n_layers * (batch // dp) * s * h * _FP32, hint=(
-                        "per block, g and f all-reduce one activation each in forward "
-                        "and again in backward; the activation holds this replica's "
-                        "rows only, not the whole batch"))
+                        _("per block, g and f all-reduce one activation each in "
+                          "forward and again in backward; the activation holds this "
+                          "replica's rows only, not the whole batch")))
         check_close(f"{where}: dp", got.get("dp"), numel * _FP32, hint=(
-            "data parallelism all-reduces each gradient this rank holds once per "
-            "step: how does that depend on the batch?"))
-    passed(f"your formulas hold on {len(cases)} shapes: tp traffic grows with the "
-           "rows each replica runs, dp traffic only with the parameters")
+            _("data parallelism all-reduces each gradient this rank holds once per "
+              "step: how does that depend on the batch?")))
+    passed(_("your formulas hold on {n_cases} shapes: tp traffic grows with the rows "
+             "each replica runs, dp traffic only with the parameters").format(
+               n_cases=len(cases)))
 
 
 def _synthetic(n_gpus: int, pp: int, dp: int, seq_len: int, m: int) -> Llama3Row:
@@ -96,7 +100,7 @@ def _smallest_v(row: Llama3Row) -> int | None:
 
 #: What ``check_smallest_v`` switches off while the learner's function runs.
 _SMALLEST_V_FORBIDS = {
-    'dtlib.exercises.multi_dim:_smallest_v': "the checker's truth",
+    'dtlib.exercises.multi_dim:_smallest_v': N_("the checker's truth"),
 }
 
 
@@ -126,25 +130,28 @@ def check_smallest_v(smallest_v: Callable[[Sequence[Llama3Row]], dict[Any, Any]]
     for part in (tuple(TABLE4_LLAMA3), (*rows, *drawn)):
         got = smallest_v(part)
         if not isinstance(got, Mapping):
-            raise WrongAnswer(f"smallest_v must return a dict, got "
-                              f"{type(got).__name__}")
+            raise WrongAnswer(_("smallest_v must return a dict, got {type}").format(
+                                  type=type(got).__name__))
         for row in part:
             key, want = (row.n_gpus, row.seq_len), _smallest_v(row)
             where = f"{key} (p={row.pp}, m={row.batch_per_dp})"
             if key not in got:
-                raise WrongAnswer(f"no entry for {where}: key the dict by "
-                                  "(n_gpus, seq_len)")
+                raise WrongAnswer(_("no entry for {where}: key the dict by (n_gpus, "
+                                    "seq_len)").format(where=where))
             v = got[key]
             if want is None and v is not None:
                 raise WrongAnswer(
-                    f"{where}: you return v={v!r}, but no v meets both conditions.",
-                    "a stage holds at least one layer: v * p may not exceed 126")
+                    _("{where}: you return v={v!r}, but no v meets both "
+                      "conditions.").format(where=where, v=v),
+                    _("a stage holds at least one layer: v * p may not exceed 126"))
             if want is not None and v != want:
                 raise WrongAnswer(
-                    f"{where}: v={v!r} is not the smallest v that meets both "
-                    "conditions.", "'at most 20 %' includes 20 % itself; try each v "
-                    "from 1 up and stop at the first that works")
-    passed(f"the interleaving each of {len(rows)} configurations needs")
+                    _("{where}: v={v!r} is not the smallest v that meets both "
+                      "conditions.").format(where=where, v=v), _(
+                              "'at most 20 %' includes 20 % itself; try each v from 1 "
+                              "up and stop at the first that works"))
+    passed(_("the interleaving each of {n_rows} configurations needs").format(
+               n_rows=len(rows)))
 
 
 # ---- build it: the tp and dp groups of a rank grid, on real ranks -------------------
@@ -156,7 +163,7 @@ _DRAWN_GRIDS = ((2, 3), (3, 2), (1, 6), (6, 1))  # one of them, on 6 ranks
 
 def _members(group: Any) -> list[int] | str:
     if not isinstance(group, dist.ProcessGroup):
-        return f"a {type(group).__name__}, not a ProcessGroup"
+        return _("a {type}, not a ProcessGroup").format(type=type(group).__name__)
     return sorted(dist.get_process_group_ranks(group))
 
 
@@ -182,7 +189,8 @@ def grid_groups_on_rank(build: Callable[[int, int], Any],
         got = build(dp, tp)
         rec: dict[str, Any] = {"dp_size": dp, "tp_size": tp, "rank": rank}
         if not (isinstance(got, tuple) and len(got) == 2):
-            rec["error"] = f"returned {type(got).__name__}, not (tp_group, dp_group)"
+            rec["error"] = _("returned {type}, not (tp_group, dp_group)").format(
+                type=type(got).__name__)
             out.append(rec)
             continue
         for name, group in zip(("tp", "dp"), got):
@@ -211,7 +219,7 @@ def judge_grid_groups(ranks: list[list[dict[str, Any]]]) -> None:
     for records in ranks:
         for rec in records:
             dp, tp, rank = rec["dp_size"], rec["tp_size"], rec["rank"]
-            where = f"dp={dp}, tp={tp}, rank {rank}"
+            where = _("dp={dp}, tp={tp}, rank {rank}").format(dp=dp, tp=tp, rank=rank)
             if "error" in rec:
                 raise WrongAnswer(f"{where}: {rec['error']}.")
             grid = torch.arange(dp * tp).view(dp, tp)
@@ -220,31 +228,35 @@ def judge_grid_groups(ranks: list[list[dict[str, Any]]]) -> None:
             for name in ("tp", "dp"):
                 got = rec[name]
                 if isinstance(got, str):
-                    raise WrongAnswer(f"{where}: the {name} group is {got}.",
-                                      "dist.new_group(ranks) returns a group")
+                    raise WrongAnswer(_("{where}: the {name} group is {got}.").format(
+                                          where=where, name=name, got=got),
+                                      _("dist.new_group(ranks) returns a group"))
                 if got != want[name]:
                     raise WrongAnswer(
-                        f"{where}: the {name} group holds ranks {got}.",
-                        "lay the ranks out as arange(world).view(dp, tp): a tp group "
-                        "is a row (the last dimension varies fastest), a dp group a "
-                        "column ('A rank grid by hand')")
+                        _("{where}: the {name} group holds ranks {got}.").format(
+                            where=where, name=name, got=got),
+                        _("lay the ranks out as arange(world).view(dp, tp): a tp "
+                          "group is a row (the last dimension varies fastest), a dp "
+                          "group a column ('A rank grid by hand')"))
                 total = sum(r + 1 for r in want[name])
                 if rec.get(f"{name}_sum") != total:
                     raise WrongAnswer(
-                        f"{where}: an all-reduce of rank + 1 over the {name} group "
-                        f"gave {rec.get(f'{name}_sum')!r}, not the sum over its ranks.",
-                        "create every line's group on every rank, in the same order, "
-                        "and keep the ones this rank belongs to")
+                        _("{where}: an all-reduce of rank + 1 over the {name} group "
+                          "gave {get!r}, not the sum over its ranks.").format(
+                            where=where, name=name, get=rec.get(f'{name}_sum')),
+                        _("create every line's group on every rank, in the same "
+                          "order, and keep the ones this rank belongs to"))
 
 
 #: What ``check_grid_groups`` switches off while the learner's function runs.
 _GRID_GROUPS_FORBIDS = {
-    'torch.distributed.device_mesh:init_device_mesh': 'torch builds the grid for you',
+    'torch.distributed.device_mesh:init_device_mesh':
+        N_("torch builds the grid for you"),
     'torch.distributed.device_mesh:DeviceMesh.__init__':
-        'torch builds the grid for you',
-    'dtlib.parallel_nd.grid:build_grid_groups': "the book's own grid",
-    'dtlib.parallel_nd.dims:ParallelDims.grid': "the book's own grid",
-    'dtlib.parallel_nd.dims:ParallelDims.mesh': "the book's own mesh",
+        N_("torch builds the grid for you"),
+    'dtlib.parallel_nd.grid:build_grid_groups': N_("the book's own grid"),
+    'dtlib.parallel_nd.dims:ParallelDims.grid': N_("the book's own grid"),
+    'dtlib.parallel_nd.dims:ParallelDims.mesh': N_("the book's own mesh"),
 }
 
 
@@ -267,8 +279,8 @@ def check_grid_groups(build: Callable[[int, int], Any],
     drawn = random.Random(seed).choice(_DRAWN_GRIDS)
     for world_size, grids in ((GRID_WORLD, _GRIDS), (6, (drawn,))):
         ranks = run_on_ranks(grid_groups_on_rank, build, world_size, grids,
-                             what="your build_groups")
+                             what=_("your build_groups"))
         judge_grid_groups(ranks)
-    passed(f"on {GRID_WORLD} and 6 ranks your groups are the rows (tp) and columns "
-           f"(dp) of each of {len(_GRIDS) + 1} grids, and all-reduce over exactly "
-           "those ranks")
+    passed(_("on {grid_world} and 6 ranks your groups are the rows (tp) and columns "
+             "(dp) of each of {value} grids, and all-reduce over exactly "
+             "those ranks").format(grid_world=GRID_WORLD, value=len(_GRIDS) + 1))

@@ -402,9 +402,9 @@ for n, line in enumerate(sys.stdin):
         verdict = (kind, detail)
     else:
         text = buf.getvalue()
-        if "Correct:" in text:
+        if any(p in text for p in {correct!r}):
             verdict = ("correct", "")
-        elif "Not attempted yet" in text:
+        elif any(p in text for p in {not_attempted!r}):
             verdict = ("not attempted", "")
         else:
             verdict = ("error", "no verdict printed")
@@ -422,7 +422,12 @@ class _Worker:
 
     def __init__(self, exercise: Exercise, cwd: str) -> None:
         root = str(Path(__file__).resolve().parents[2])
-        code = _WORKER.format(root=root, setup=exercise.setup)
+        from dtlib.exercises.grade import verdict_prefixes
+
+        # the verdict lines in every language the checkers speak (DTLIB_LANG)
+        correct, not_attempted = verdict_prefixes()
+        code = _WORKER.format(root=root, setup=exercise.setup, correct=correct,
+                              not_attempted=not_attempted)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

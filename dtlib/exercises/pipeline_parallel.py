@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dtlib.exercises import WrongAnswer, as_number, checker, passed, run_on_ranks
 from dtlib.pipeline_parallel.schedules import simulate
+from dtlib.runtime.i18n import N_, _
 
 # ---- reason it out: when does a stage start its first backward? ----------------------
 
@@ -23,9 +24,10 @@ _FB_COSTS = ((1.0, 2.0), (1.0, 1.0), (2.0, 3.0), (0.5, 1.5), (3.0, 1.0))
 
 #: What ``check_first_backward`` switches off while the learner's function runs.
 _FIRST_BACKWARD_FORBIDS = {
-    'dtlib.pipeline_parallel.schedules:simulate': "the checker's truth",
-    'dtlib.pipeline_parallel.schedules:schedule_order': "the book's simulator",
-    'dtlib.pipeline_parallel.interleaved:simulate_interleaved': "the book's simulator",
+    'dtlib.pipeline_parallel.schedules:simulate': N_("the checker's truth"),
+    'dtlib.pipeline_parallel.schedules:schedule_order': N_("the book's simulator"),
+    'dtlib.pipeline_parallel.interleaved:simulate_interleaved':
+        N_("the book's simulator"),
 }
 
 
@@ -53,22 +55,26 @@ def check_first_backward(predict: Callable[..., float],
                                if e.stage == s and e.kind == "B")
                     got = predict(schedule, s, p, m, t_f, t_b)
                     if as_number(got) is None:
-                        raise WrongAnswer(f"predict returned {got!r}: return a time, "
-                                          "a number")
+                        raise WrongAnswer(_("predict returned {got!r}: return a time, "
+                                            "a number").format(got=got))
                     got = as_number(got)
                     # the clock adds exact binary fractions: only the learner's own
                     # rounding (a division, say) may differ, by a few ulps
                     if not math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-12):
-                        side = "late" if got > want else "early"
+                        side = _("late") if got > want else _("early")
                         raise WrongAnswer(
-                            f"{schedule}, stage {s} of p={p}, m={m}, t_f={t_f:g}, "
-                            f"t_b={t_b:g}: {got!r} is too {side}.",
-                            "which micro-batch's backward runs first under this "
-                            "schedule? Follow it: its forward must leave the last "
-                            "stage, then its gradient comes back one stage at a time, "
-                            "each stage spending one backward on it ('Two schedules').")
-    passed("your first-backward times match the ideal clock for both schedules, "
-           f"p up to {max(p for p, _ in _FB_GRID)}, and {len(_FB_COSTS)} cost ratios")
+                            _("{schedule}, stage {s} of p={p}, m={m}, t_f={t_f:g}, "
+                              "t_b={t_b:g}: {got!r} is too {side}.").format(
+                                schedule=schedule, s=s, p=p, m=m, t_f=t_f, t_b=t_b,
+                                got=got, side=side),
+                            _("which micro-batch's backward runs first under this "
+                              "schedule? Follow it: its forward must leave the last "
+                              "stage, then its gradient comes back one stage at a "
+                              "time, each stage spending one backward on it ('Two "
+                              "schedules')."))
+    passed(_("your first-backward times match the ideal clock for both schedules, p "
+             "up to {max}, and {n__fb_costs} cost ratios").format(
+               max=max((p for p, _ in _FB_GRID)), n__fb_costs=len(_FB_COSTS)))
 
 
 # ---- build it: one GPipe step of a two-stage pipeline, on two real ranks -------------
@@ -222,35 +228,39 @@ def _check_numbers(res: list[dict[str, Any]], n_micro: int, hidden: int) -> None
     truth = _pp_truth(n_micro, hidden)
     loss = res[1]["loss"]
     if as_number(loss) is None:
-        raise WrongAnswer(f"rank 1 returned {loss!r}: return the summed loss, a number")
+        raise WrongAnswer(_("rank 1 returned {loss!r}: return the summed loss, a "
+                            "number").format(loss=loss))
     loss = as_number(loss)
     # float32 sums of a handful of terms, in another order: ~1e-7 relative; 1e-5 is
     # far below the factor m that the usual mistake makes
     if abs(loss - truth["loss"] * n_micro) < 1e-5 * abs(truth["loss"] * n_micro):
-        raise WrongAnswer("the loss is len(targets) times too large.",
-                          "each micro-batch's loss is divided by the number of "
-                          "micro-batches, so that the step's gradient is the mean's")
+        raise WrongAnswer(_("the loss is len(targets) times too large."),
+                          _("each micro-batch's loss is divided by the number of "
+                            "micro-batches, so that the step's gradient is the mean's"))
     if abs(loss - truth["loss"]) > 1e-5 * abs(truth["loss"]):
-        raise WrongAnswer(f"rank 1's summed loss, {loss:.6g}, is not one process's on "
-                          "the same micro-batches.")
-    for rank, name in ((1, "the second stage (rank 1)"),
-                       (0, "the first stage (rank 0)")):
+        raise WrongAnswer(_("rank 1's summed loss, {loss:.6g}, is not one process's "
+                            "on the same micro-batches.").format(loss=loss))
+    for rank, name in ((1, _("the second stage (rank 1)")),
+                       (0, _("the first stage (rank 0)"))):
         for got, want in zip(res[rank]["grads"], truth["grads"][rank]):
             if got is None:
                 raise WrongAnswer(
-                    f"{name} has no gradient.", "rank 1 must send each micro-batch's "
-                    "activation gradient back (the input's .grad, which needs "
-                    "requires_grad_()), and rank 0 must call y.backward(grad) on the "
-                    "output it sent ('Two schedules').")
+                    _("{name} has no gradient.").format(name=name), _(
+                            "rank 1 must send each micro-batch's activation gradient "
+                            "back (the input's .grad, which needs requires_grad_()), "
+                            "and rank 0 must call y.backward(grad) on the output it "
+                            "sent ('Two schedules')."))
             # the same float32 sums in another order (see above): rtol 1e-4 with an
             # atol for elements near zero, both far below a factor m or a lost term
             if torch.allclose(got, want * n_micro, rtol=1e-4, atol=1e-6):
                 raise WrongAnswer(
-                    f"{name}: gradients are len(targets) times too large.")
+                    _("{name}: gradients are len(targets) times too large.").format(
+                        name=name))
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
-                raise WrongAnswer(f"{name}: gradients differ from one process's.",
-                                  "pair each activation gradient with the output of "
-                                  "the same micro-batch")
+                raise WrongAnswer(_("{name}: gradients differ from one "
+                                    "process's.").format(name=name),
+                                  _("pair each activation gradient with the output of "
+                                    "the same micro-batch"))
 
 
 def _positions(trace: list[tuple[Any, ...]], kind: str) -> list[int]:
@@ -271,50 +281,55 @@ def _check_pipelined(res: list[dict[str, Any]], n_micro: int, hidden: int) -> No
     for rank in (0, 1):
         trace = res[rank]["trace"]
         shown = " ".join(ev[0] for ev in trace) or "(nothing)"
-        recomputed = (", f forward recomputed in a backward"
+        recomputed = (_(", f forward recomputed in a backward")
                       if any(ev[0] == "f" for ev in trace) else "")
-        where = (f"m={n_micro}: rank {rank} did, in order (F forward, B backward, S "
-                 f"send posted, R receive done{recomputed}): {shown}.")
-        for kind, what in (("F", "forwards"), ("B", "backwards"),
-                           ("S", "sends"), ("R", "receives")):
+        where = (_("m={n_micro}: rank {rank} did, in order (F forward, B backward, S "
+                   "send posted, R receive done{recomputed}): {shown}.").format(
+                     n_micro=n_micro, rank=rank, recomputed=recomputed, shown=shown))
+        for kind, what in (("F", _("forwards")), ("B", _("backwards")),
+                           ("S", _("sends")), ("R", _("receives"))):
             n = len(_positions(trace, kind))
             if n != n_micro:
                 raise WrongAnswer(
-                    f"{where} That is {n} {what} for {n_micro} micro-batches.",
-                    "a pipeline moves one micro-batch at a time: one forward, one "
-                    "backward, one message each way per micro-batch, each sent as "
-                    "soon as it exists (dist.send / dist.recv, or isend / irecv "
-                    "and wait)")
+                    _("{where} That is {n} {what} for {n_micro} micro-batches.").format(
+                        where=where, n=n, what=what, n_micro=n_micro),
+                    _("a pipeline moves one micro-batch at a time: one forward, one "
+                      "backward, one message each way per micro-batch, each sent as "
+                      "soon as it exists (dist.send / dist.recv, or isend / irecv and "
+                      "wait)"))
         bad = [ev[1] for ev in trace if ev[0] in "SR" and ev[1] != act]
         if bad:
-            raise WrongAnswer(f"{where} A message of shape {bad[0]}: each one is one "
-                              f"micro-batch's activation or its gradient, {act}.")
+            raise WrongAnswer(_("{where} A message of shape {bad_0}: each one is one "
+                                "micro-batch's activation or its gradient, "
+                                "{act}.").format(where=where, bad_0=bad[0], act=act))
         fwd, bwd = _positions(trace, "F"), _positions(trace, "B")
         sends, recvs = _positions(trace, "S"), _positions(trace, "R")
         if bwd[0] < fwd[-1]:
             raise WrongAnswer(
-                f"{where} A backward runs before the last forward: one micro-batch "
-                "at a time (or 1F1B), not GPipe.",
-                "GPipe runs every micro-batch's forward first, then every backward; "
-                "the other stage works on micro-batch i while this one does i + 1 "
-                "('Two schedules')")
+                _("{where} A backward runs before the last forward: one micro-batch "
+                  "at a time (or 1F1B), not GPipe.").format(where=where),
+                _("GPipe runs every micro-batch's forward first, then every backward; "
+                  "the other stage works on micro-batch i while this one does i + 1 "
+                  "('Two schedules')"))
         # sender: message k leaves before compute k + 1 starts; receiver: compute k
         # starts before message k + 1 is taken in
         produce, consume = (fwd, bwd) if rank == 0 else (bwd, fwd)
         for k in range(n_micro - 1):
             if sends[k] > produce[k + 1]:
                 raise WrongAnswer(
-                    f"{where} Message {k} leaves only after the next micro-batch's "
-                    "work has started: the other stage waits idle meanwhile.",
-                    "send each micro-batch's result as soon as it is computed, before "
-                    "computing the next one")
+                    _("{where} Message {k} leaves only after the next micro-batch's "
+                      "work has started: the other stage waits idle meanwhile.").format(
+                        where=where, k=k),
+                    _("send each micro-batch's result as soon as it is computed, "
+                      "before computing the next one"))
             if consume[k] > recvs[k + 1]:
                 raise WrongAnswer(
-                    f"{where} The work on micro-batch {k} starts only after message "
-                    f"{k + 1} has been received: this stage waited for the other's "
-                    "next result before starting on the first.",
-                    "start on each micro-batch as soon as its message is in, before "
-                    "receiving the next one")
+                    _("{where} The work on micro-batch {k} starts only after message "
+                      "{value} has been received: this stage waited for the other's "
+                      "next result before starting on the first.").format(
+                        where=where, k=k, value=k + 1),
+                    _("start on each micro-batch as soon as its message is in, before "
+                      "receiving the next one"))
 
 
 def pipeline_step_verdicts(steps: Sequence[Callable[..., Any]]
@@ -330,7 +345,7 @@ def pipeline_step_verdicts(steps: Sequence[Callable[..., Any]]
     Taught in: Chapter 6, exercise "One GPipe step on two ranks".
     """
     ranks = run_on_ranks(_pp_on_rank, tuple(steps), 2, timeout=30,
-                         what="your pipeline step")
+                         what=_("your pipeline step"))
     verdicts: list[WrongAnswer | None] = []
     for k in range(len(steps)):
         try:
@@ -347,12 +362,13 @@ def pipeline_step_verdicts(steps: Sequence[Callable[..., Any]]
 
 #: What ``check_pipeline_step`` switches off while the learner's function runs.
 _PIPELINE_STEP_FORBIDS = {
-    'dtlib.pipeline_parallel.schedules:pipeline_step': "the book's own pipeline step",
-    'dtlib.exercises.pipeline_parallel:_pp_truth': "the checker's truth",
+    'dtlib.pipeline_parallel.schedules:pipeline_step':
+        N_("the book's own pipeline step"),
+    'dtlib.exercises.pipeline_parallel:_pp_truth': N_("the checker's truth"),
     'torch.distributed.pipelining.schedules:PipelineScheduleSingle.step':
-        "torch's pipeline schedules",
+        N_("torch's pipeline schedules"),
     'torch.distributed.pipelining.schedules:PipelineScheduleMulti.step':
-        "torch's pipeline schedules",
+        N_("torch's pipeline schedules"),
 }
 
 
@@ -372,6 +388,7 @@ def check_pipeline_step(step: Callable[..., Any]) -> None:
     (verdict,) = pipeline_step_verdicts([step])
     if verdict is not None:
         raise verdict
-    passed("your two-stage GPipe step equals one process (loss and gradients) and "
-           "sends, receives and computes in GPipe's order, for "
-           + " and ".join(f"{m} micro-batches" for m, _ in _PP_CONFIGS))
+    passed(_("your two-stage GPipe step equals one process (loss and gradients) and "
+             "sends, receives and computes in GPipe's order, for {counts} "
+             "micro-batches").format(
+                 counts=" / ".join(str(m) for m, _n in _PP_CONFIGS)))

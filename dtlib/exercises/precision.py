@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from dtlib.collectives.accounting import count_comms
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.runtime.dist import world
+from dtlib.runtime.i18n import N_, _
 
 # Formats the chapter does not tabulate (exponent bits, mantissa bits), IEEE-style:
 # the all-ones exponent is kept for inf and NaN. fp16 and fp64 are there too, so that
@@ -43,10 +44,10 @@ def ieee_constants(e_bits: int, m_bits: int) -> tuple[float, float, float]:
 
 #: What ``check_format_constants`` switches off while the learner's function runs.
 _FORMAT_CONSTANTS_FORBIDS = {
-    'dtlib.exercises.precision:ieee_constants': "the checker's truth",
-    'dtlib.precision.formats:format_info': "the book's own table",
-    'dtlib.precision.formats:format_table': "the book's own table",
-    'dtlib.precision.formats:subnormal_from_bits': "the book's own table",
+    'dtlib.exercises.precision:ieee_constants': N_("the checker's truth"),
+    'dtlib.precision.formats:format_info': N_("the book's own table"),
+    'dtlib.precision.formats:format_table': N_("the book's own table"),
+    'dtlib.precision.formats:subnormal_from_bits': N_("the book's own table"),
 }
 
 
@@ -61,13 +62,14 @@ def check_format_constants(constants: Callable[[int, int], tuple],
     The truth is :func:`ieee_constants`, itself checked against ``torch.finfo`` and
     the bit patterns by the tests.
     """
-    names = ("eps", "smallest subnormal", "largest finite value")
-    hints = ("eps is the gap between 1.0 and the next number: the value of the last "
-             "stored mantissa bit at exponent 0",
-             "a subnormal has the smallest exponent a normal has, no implicit 1, and "
-             "only its last mantissa bit set",
-             "the largest exponent field (all ones) is kept for inf and NaN; the "
-             "largest finite value has the next exponent and every mantissa bit set")
+    names = ("eps", _("smallest subnormal"), _("largest finite value"))
+    hints = (_("eps is the gap between 1.0 and the next number: the value of the last "
+               "stored mantissa bit at exponent 0"),
+             _("a subnormal has the smallest exponent a normal has, no implicit 1, and "
+               "only its last mantissa bit set"),
+             _("the largest exponent field (all ones) is kept for inf and NaN; the "
+               "largest finite value has the next exponent and every mantissa bit "
+               "set"))
     rng = random.Random(seed)
     tried = (*FORMATS_TRIED, *((rng.randint(2, 11), rng.randint(1, 52))
                                for _ in range(3)))
@@ -77,19 +79,24 @@ def check_format_constants(constants: Callable[[int, int], tuple],
         except NotImplementedError:
             raise
         except Exception as err:  # the learner's code failed on a format
-            raise WrongAnswer(f"constants({e_bits}, {m_bits}) raised "
-                              f"{type(err).__name__}: {err}") from None
+            raise WrongAnswer(_("constants({e_bits}, {m_bits}) raised "
+                                "{type}: {err}").format(
+                                  e_bits=e_bits, m_bits=m_bits,
+                                  type=type(err).__name__, err=err)) from None
         if len(got) != 3:
-            raise WrongAnswer(f"constants({e_bits}, {m_bits}) returned {len(got)} "
-                              "values; return (eps, smallest_subnormal, largest)")
+            raise WrongAnswer(_("constants({e_bits}, {m_bits}) returned {n_got} "
+                                "values; return (eps, smallest_subnormal, "
+                                "largest)").format(
+                                  e_bits=e_bits, m_bits=m_bits, n_got=len(got)))
         truth = ieee_constants(e_bits, m_bits)
         for name, g, t, hint in zip(names, got, truth, hints):
             # Powers of two and (2 - 2**-m) * 2**bias are exact in float64: an
             # exact answer is expected, up to one rounding of the product.
-            check_close(f"{name} of {e_bits} exponent and {m_bits} mantissa bits",
+            check_close(_("{name} of {e_bits} exponent and {m_bits} mantissa "
+                          "bits").format(name=name, e_bits=e_bits, m_bits=m_bits),
                         g, t, rel=2.0 ** -52, hint=hint)
-    passed(f"eps, smallest subnormal and largest value right for {len(tried)} "
-           "formats, fp16 and fp64 among them")
+    passed(_("eps, smallest subnormal and largest value right for {n_tried} formats, "
+             "fp16 and fp64 among them").format(n_tried=len(tried)))
 
 
 @checker
@@ -102,20 +109,26 @@ def check_underflow_prediction(values: list[float], fp16_zero: list[bool],
     """
     missing = [v for v in UNDERFLOW_VALUES if v not in list(values)]
     if missing:
-        raise WrongAnswer(f"values lacks {missing}: predict for every value of the "
-                          f"exercise, {list(UNDERFLOW_VALUES)}")
+        raise WrongAnswer(_("values lacks {missing}: predict for every value of the "
+                            "exercise, {underflow_values}").format(
+                              missing=missing,
+                              underflow_values=list(UNDERFLOW_VALUES)))
     for dtype, guess in ((torch.float16, fp16_zero), (torch.bfloat16, bf16_zero)):
         if len(guess) != len(values):
-            raise WrongAnswer(f"give one bool per value: {len(values)} values, "
-                              f"{len(guess)} predictions for {dtype}")
+            raise WrongAnswer(_("give one bool per value: {n_values} values, "
+                                "{n_guess} predictions for {dtype}").format(
+                                  n_values=len(values), n_guess=len(guess),
+                                  dtype=dtype))
         truth = (torch.tensor(values, dtype=torch.float64).to(dtype) == 0).tolist()
         for v, g, t in zip(values, guess, truth):
             if bool(g) != t:
                 raise WrongAnswer(
-                    f"{v!r} in {dtype}: you said {'0' if g else 'nonzero'}, torch "
-                    f"gives {'0' if t else 'nonzero'}. Hint: compare with the format's "
-                    "smallest subnormal (half of it rounds to even, i.e. to 0).")
-    passed("your underflow predictions match torch's casts")
+                    _("{v!r} in {dtype}: you said {value}, torch gives {value2}. "
+                      "Hint: compare with the format's smallest subnormal (half of it "
+                      "rounds to even, i.e. to 0).").format(
+                        v=v, dtype=dtype, value='0' if g else 'nonzero',
+                        value2='0' if t else 'nonzero'))
+    passed(_("your underflow predictions match torch's casts"))
 
 
 # ---- build it: one dynamic loss-scaler update that all ranks agree on ----------------
@@ -223,12 +236,14 @@ def scaler_on_rank(step: Callable[..., tuple]) -> list[Any]:
 
 #: What ``check_scaler_step`` switches off while the learner's function runs.
 _SCALER_STEP_FORBIDS = {
-    'dtlib.exercises.precision:scaler_truth': "the checker's truth",
-    'dtlib.precision.loss_scaling:DynamicLossScaler.update': "the book's own scaler",
-    'dtlib.precision.loss_scaling:DynamicLossScaler.unscale_': "the book's own scaler",
-    'dtlib.precision.loss_scaling:simulate_scale': "the book's own scaler",
-    'torch.amp.grad_scaler:GradScaler.update': "torch's scaler",
-    'torch.amp.grad_scaler:GradScaler.unscale_': "torch's scaler",
+    'dtlib.exercises.precision:scaler_truth': N_("the checker's truth"),
+    'dtlib.precision.loss_scaling:DynamicLossScaler.update':
+        N_("the book's own scaler"),
+    'dtlib.precision.loss_scaling:DynamicLossScaler.unscale_':
+        N_("the book's own scaler"),
+    'dtlib.precision.loss_scaling:simulate_scale': N_("the book's own scaler"),
+    'torch.amp.grad_scaler:GradScaler.update': N_("torch's scaler"),
+    'torch.amp.grad_scaler:GradScaler.unscale_': N_("torch's scaler"),
 }
 
 
@@ -243,7 +258,8 @@ def check_scaler_step(step: Callable[..., tuple]) -> None:
     restarts. Growth factor 2, backoff 0.5, as GradScaler's defaults. Two sequences
     (:data:`SCALER_CASES`), two growth intervals, inf and NaN on one rank or both.
     """
-    judge_scaler_steps(run_on_ranks(scaler_on_rank, step, 2, what="your scaler step"))
+    judge_scaler_steps(run_on_ranks(scaler_on_rank, step, 2, what=_(
+            "your scaler step")))
 
 
 def judge_scaler_steps(ranks: list[list[Any]]) -> None:
@@ -264,54 +280,67 @@ def judge_scaler_steps(ranks: list[list[Any]]) -> None:
             if min(len(ranks[0][case]), len(ranks[1][case])) <= i:
                 break  # a rank stopped early: its "bad" entry was reported above
             r0, r1 = ranks[0][case][i], ranks[1][case][i]
-            where = (f"growth_interval={interval}, step {i} (rank 0 holds "
-                     f"{per_rank[0] or 'finite values'}, rank 1 "
-                     f"{per_rank[1] or 'finite values'})")
+            where = (_("growth_interval={interval}, step {i} (rank 0 holds {value}, "
+                       "rank 1 {value2})").format(
+                         interval=interval, i=i,
+                         value=per_rank[0] or 'finite values',
+                         value2=per_rank[1] or 'finite values'))
             for r in (r0, r1):
                 if r[0] == "bad":
-                    raise WrongAnswer(f"{where}: return (skip, new_scale, "
-                                      f"new_growth_tracker) as numbers: {r[1]}")
+                    raise WrongAnswer(_("{where}: return (skip, new_scale, "
+                                        "new_growth_tracker) as numbers: {r_1}").format(
+                                          where=where, r_1=r[1]))
             (skip0, s0, t0, u0, *sync0), (skip1, s1, t1, u1, *sync1) = r0, r1
             if skip0 != skip1 or s0 != s1:
                 raise WrongAnswer(
-                    f"{where}: the ranks disagree: rank 0 skip={skip0}, scale={s0:g}; "
-                    f"rank 1 skip={skip1}, scale={s1:g}. A rank that steps while "
-                    "another skips makes the replicas drift apart.",
-                    "each rank sees only its own gradients; let every rank learn "
-                    "whether any rank found an inf or a nan (one all-reduce of a "
-                    "flag, with ReduceOp.MAX)")
+                    _("{where}: the ranks disagree: rank 0 skip={skip0}, "
+                      "scale={s0:g}; rank 1 skip={skip1}, scale={s1:g}. A rank that "
+                      "steps while another skips makes the replicas drift "
+                      "apart.").format(
+                        where=where, skip0=skip0, s0=s0, skip1=skip1, s1=s1),
+                    _("each rank sees only its own gradients; let every rank learn "
+                      "whether any rank found an inf or a nan (one all-reduce of a "
+                      "flag, with ReduceOp.MAX)"))
             want_skip, want_scale, want_tracker = truth[i]
             if skip0 != want_skip:
-                raise WrongAnswer(f"{where}: skip={skip0}.", "a step is skipped when, "
-                                  "and only when, some rank's gradients hold an inf "
-                                  "or a nan (torch.isfinite catches both)")
+                raise WrongAnswer(f"{where}: skip={skip0}.", _(
+                        "a step is skipped when, and only when, some rank's gradients "
+                        "hold an inf or a nan (torch.isfinite catches both)"))
             if s0 != want_scale:
-                side = "too large" if s0 > want_scale else "too small"
-                raise WrongAnswer(f"{where}: the scale afterwards is {side}.",
-                                  "halve after an overflow and restart counting clean "
-                                  f"steps; double after {interval} clean steps in a "
-                                  "row "
-                                  "('Loss scaling')")
+                side = _("too large") if s0 > want_scale else _(
+                        "too small")
+                raise WrongAnswer(_("{where}: the scale afterwards is {side}.").format(
+                                      where=where, side=side),
+                                  _("halve after an overflow and restart counting "
+                                    "clean steps; double after {interval} clean steps "
+                                    "in a row ('Loss scaling')").format(
+                                      interval=interval))
             if t0 != want_tracker or t1 != want_tracker:
                 raise WrongAnswer(
-                    f"{where}: you returned growth_tracker={t0} (rank 0), {t1} "
-                    "(rank 1).", "the tracker counts clean steps since the last "
-                    "overflow or growth: +1 after a clean step, back to 0 after an "
-                    "overflow and when the scale grows")
+                    _("{where}: you returned growth_tracker={t0} (rank 0), {t1} (rank "
+                      "1).").format(where=where, t0=t0, t1=t1), _(
+                              "the tracker counts clean steps since the last overflow "
+                              "or growth: +1 after a clean step, back to 0 after an "
+                              "overflow and when the scale grows"))
             if not (u0 and u1):
-                raise WrongAnswer(f"{where}: the gradients were not unscaled in place "
-                                  "(divided by the scale the loss was multiplied by).")
+                raise WrongAnswer(_("{where}: the gradients were not unscaled in "
+                                    "place (divided by the scale the loss was "
+                                    "multiplied by).").format(where=where))
             for rank, reads in ((0, sync0), (1, sync1)):
                 if reads and len(reads[0]) > 1:
                     raise WrongAnswer(
-                        f"{where}: rank {rank} read tensors on the host "
-                        f"{len(reads[0])} times in one step ({', '.join(reads[0])}): "
-                        "on a GPU each one waits for the device.", "the exercise asks "
-                        "for one host synchronisation per step: combine the tensors' "
-                        "checks into one flag on the device, all-reduce it, and read "
-                        "it once")
-    passed("both ranks skip together on inf and NaN and update scale and tracker like "
-           f"GradScaler, over {len(SCALER_CASES)} sequences")
+                        _("{where}: rank {rank} read tensors on the host {n_reads_0} "
+                          "times in one step ({join}): on a GPU each one waits for "
+                          "the device.").format(
+                            where=where, rank=rank, n_reads_0=len(reads[0]),
+                            join=', '.join(reads[0])), _(
+                                    "the exercise asks for one host synchronisation "
+                                    "per step: combine the tensors' checks into one "
+                                    "flag on the device, all-reduce it, and read it "
+                                    "once"))
+    passed(_("both ranks skip together on inf and NaN and update scale and tracker "
+             "like GradScaler, over {n_scaler_cases} sequences").format(
+               n_scaler_cases=len(SCALER_CASES)))
 
 
 # ---- a reduce-scatter in reduce_dtype into fp32 master shards ------------------------
@@ -371,15 +400,17 @@ def grad_shards_on_rank(reduce: Callable[..., torch.Tensor]) -> list[Any]:
             out.append(("bad", f"{type(err).__name__}: {err}"))
             continue
         if not torch.is_tensor(shard):
-            out.append(("bad", f"returned {type(shard).__name__}, not a tensor"))
+            out.append(("bad", _("returned {type}, not a tensor").format(
+                                   type=type(shard).__name__)))
             continue
         # the method: only reduce-scatters, in reduce_dtype (the wire's dtype)
         wire = sorted({(r.op, r.dtype.removeprefix("torch.")) for r in log.records})
         asked = str(reduce_dtype).removeprefix("torch.")
         if wire != [("reduce_scatter", asked)]:
-            out.append(("bad", f"your collectives were {wire or 'none'} (op, dtype): "
-                               f"the exercise asks for a reduce-scatter in {asked}, "
-                               "the dtype on the wire, and nothing else"))
+            out.append(("bad", _("your collectives were {value} (op, dtype): the "
+                                 "exercise asks for a reduce-scatter in {asked}, the "
+                                 "dtype on the wire, and nothing else").format(
+                                   value=wire or 'none', asked=asked)))
             continue
         out.append(("ok", shard.detach().cpu()))
     return out
@@ -402,16 +433,19 @@ def judge_grad_shards(ranks: list[list[Any]]) -> None:
         other = grad_shard_truth(case, n, REDUCE_CASES[1 - case])
         tol = 4 * 2.0 ** -24 * max(float(t.abs().max()) for t in truth)
         for rank, (status, got) in enumerate(r[case] for r in ranks):
-            where = f"reduce_dtype={asked}, rank {rank}"
+            where = _("reduce_dtype={asked}, rank {rank}").format(
+                        asked=asked, rank=rank)
             if status == "bad":
                 raise WrongAnswer(f"{where}: {got}")
             if got.dtype != torch.float32:
-                raise WrongAnswer(f"{where}: the shard is {got.dtype}.",
-                                  "the master gradient shard is fp32 whatever dtype "
-                                  "the reduce-scatter ran in: cast the result up")
+                raise WrongAnswer(_("{where}: the shard is {dtype}.").format(
+                                      where=where, dtype=got.dtype),
+                                  _("the master gradient shard is fp32 whatever dtype "
+                                    "the reduce-scatter ran in: cast the result up"))
             if got.shape != truth[rank].shape:
-                raise WrongAnswer(f"{where}: shape {tuple(got.shape)}; each rank keeps "
-                                  f"1/{n} of the flat gradient.")
+                raise WrongAnswer(_("{where}: shape {shape}; each rank keeps 1/{n} of "
+                                    "the flat gradient.").format(
+                                      where=where, shape=tuple(got.shape), n=n))
 
             def near(want: torch.Tensor) -> bool:
                 return bool((got - want).abs().max() <= tol)
@@ -420,26 +454,32 @@ def judge_grad_shards(ranks: list[list[Any]]) -> None:
                 continue
             if near(other[rank]):
                 raise WrongAnswer(
-                    f"{where}: your shard is the sum done in "
-                    f"{str(REDUCE_CASES[1 - case]).removeprefix('torch.')}.",
-                    f"cast the gradient to reduce_dtype ({asked}) before the "
-                    "reduce-scatter: the collective sums in its input's dtype")
+                    _("{where}: your shard is the sum done in {removeprefix}.").format(
+                        where=where,
+                        removeprefix=str(REDUCE_CASES[1 - case]).removeprefix(
+                            'torch.')),
+                    _("cast the gradient to reduce_dtype ({asked}) before the "
+                      "reduce-scatter: the collective sums in its input's "
+                      "dtype").format(asked=asked))
             if near(truth[rank] * n):
-                raise WrongAnswer(f"{where}: the shard is {n} times too large.",
-                                  "the reduce-scatter sums; the gradient is the "
-                                  "average over the ranks")
+                raise WrongAnswer(_("{where}: the shard is {n} times too "
+                                    "large.").format(where=where, n=n),
+                                  _("the reduce-scatter sums; the gradient is the "
+                                    "average over the ranks"))
             if any(near(t) for r, t in enumerate(truth) if r != rank):
-                raise WrongAnswer(f"{where}: that is another rank's shard.",
-                                  "rank r keeps elements [r * n, (r + 1) * n) of the "
-                                  "flat gradient")
-            raise WrongAnswer(f"{where}: the shard is not the averaged gradient.")
-    passed(f"fp32 master gradient shards on {n} ranks, reduced in fp32 and in bf16 "
-           "as asked")
+                raise WrongAnswer(_("{where}: that is another rank's shard.").format(
+                                      where=where),
+                                  _("rank r keeps elements [r * n, (r + 1) * n) of "
+                                    "the flat gradient"))
+            raise WrongAnswer(_("{where}: the shard is not the averaged "
+                                "gradient.").format(where=where))
+    passed(_("fp32 master gradient shards on {n} ranks, reduced in fp32 and in bf16 "
+             "as asked").format(n=n))
 
 
 #: What ``check_grad_shard_reduce`` switches off while the learner's function runs.
 _GRAD_SHARD_REDUCE_FORBIDS = {
-    'dtlib.exercises.precision:grad_shard_truth': "the checker's truth",
+    'dtlib.exercises.precision:grad_shard_truth': N_("the checker's truth"),
 }
 
 
@@ -450,4 +490,4 @@ def check_grad_shard_reduce(reduce: Callable[..., torch.Tensor]) -> None:
     reduce-scatter must run in ``reduce_dtype`` (fp32, then bf16).
     """
     judge_grad_shards(run_on_ranks(grad_shards_on_rank, reduce, 2,
-                                   what="your reduce-scatter"))
+                                   what=_("your reduce-scatter")))

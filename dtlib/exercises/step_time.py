@@ -16,6 +16,7 @@ from dtlib.exercises import (WrongAnswer, as_number, check_close, checker,
                              passed)
 from dtlib.planner.overlap import Comm, two_streams
 from dtlib.planner.step_time import Machine, bucket_bytes, predict
+from dtlib.runtime.i18n import N_, _
 
 
 def _truth(forward_s: float, backward_s: float, buckets_s: Sequence[float]) -> float:
@@ -27,9 +28,9 @@ def _truth(forward_s: float, backward_s: float, buckets_s: Sequence[float]) -> f
 
 #: What ``check_overlapped_ddp`` switches off while the learner's function runs.
 _OVERLAPPED_DDP_FORBIDS = {
-    'dtlib.exercises.step_time:_truth': "the checker's truth",
-    'dtlib.planner.overlap:two_streams': "the book's own timeline",
-    'dtlib.planner.overlap:serial': "the book's own timeline",
+    'dtlib.exercises.step_time:_truth': N_("the checker's truth"),
+    'dtlib.planner.overlap:two_streams': N_("the book's own timeline"),
+    'dtlib.planner.overlap:serial': N_("the book's own timeline"),
 }
 
 
@@ -64,8 +65,8 @@ def check_overlapped_ddp(step_time: Callable[[float, float, Sequence[float]], fl
                    tuple(round(rng.uniform(1e-3, 0.05), 6)
                          for _ in range(rng.randint(1, 5)))) for _ in range(3))
     _check_overlap_cases(step_time, tuple(cases) + drawn)
-    passed(f"your timeline matches the overlap rule on {len(cases) + 3} steps: only "
-           "what the last buckets cannot hide is exposed")
+    passed(_("your timeline matches the overlap rule on {value} steps: only what the "
+             "last buckets cannot hide is exposed").format(value=len(cases) + 3))
 
 
 def _check_overlap_cases(step_time: Callable[[float, float, Sequence[float]], float],
@@ -74,23 +75,26 @@ def _check_overlap_cases(step_time: Callable[[float, float, Sequence[float]], fl
     for fwd, bwd, buckets in cases:
         got = step_time(fwd, bwd, list(buckets))
         got = got if as_number(got) is None else as_number(got)
-        where = f"forward {fwd} s, backward {bwd} s, buckets {list(buckets)}"
+        where = _("forward {fwd} s, backward {bwd} s, buckets {buckets}").format(
+                    fwd=fwd, bwd=bwd, buckets=list(buckets))
         want = _truth(fwd, bwd, buckets)
         if isinstance(got, (int, float)) and not isinstance(got, bool):
             if abs(got - (fwd + bwd + sum(buckets))) < 1e-9 * want < abs(
                     want - (fwd + bwd + sum(buckets))):
-                raise WrongAnswer(f"{where}: you added every bucket after the "
-                                  "backward; the overlapped DDP starts a bucket as "
-                                  "soon as its gradients are ready")
+                raise WrongAnswer(_("{where}: you added every bucket after the "
+                                    "backward; the overlapped DDP starts a bucket as "
+                                    "soon as its gradients are ready").format(
+                                      where=where))
             if abs(got - max(fwd + bwd, sum(buckets))) < 1e-9 * want < abs(
                     want - max(fwd + bwd, sum(buckets))):
-                raise WrongAnswer(f"{where}: perfect overlap is too optimistic: a "
-                                  "bucket cannot start before its gradients exist, "
-                                  "and the last one starts when backward ends")
+                raise WrongAnswer(_("{where}: perfect overlap is too optimistic: a "
+                                    "bucket cannot start before its gradients exist, "
+                                    "and the last one starts when backward "
+                                    "ends").format(where=where))
         check_close(where, got, want, rel=1e-9, hint=(
-            "play the two queues: chunk k of the backward ends at forward + "
-            "k * backward / K; bucket k starts at the later of that and the end of "
-            "bucket k - 1"))
+            _("play the two queues: chunk k of the backward ends at forward + k * "
+              "backward / K; bucket k starts at the later of that and the end of "
+              "bucket k - 1")))
 
 
 #: Ranks of the exercise's measured step.
@@ -184,23 +188,25 @@ def judge_predict_step(predict_step: Callable[[dict], float], measured: dict,
         got = got if as_number(got) is None else as_number(got)
         want = predict("ddp/overlapped", w, m, ranks).total_s
         other = predict("ddp/bucketed", w, m, ranks).total_s  # no overlap at all
-        where = f"world_size={ranks}, cores={inputs['cores']}"
+        where = _("world_size={ranks}, cores={inputs_cores}").format(
+                    ranks=ranks, inputs_cores=inputs['cores'])
         if isinstance(got, (int, float)) and not isinstance(got, bool) and \
                 abs(want - other) > 1e-9 * want:
             if abs(got - other) <= 1e-9 * want:
-                raise WrongAnswer(f"{where}: your step adds every bucket; with "
-                                  "communication on its own engine the buckets hide "
-                                  "behind the backward, all but the last")
+                raise WrongAnswer(_("{where}: your step adds every bucket; with "
+                                    "communication on its own engine the buckets hide "
+                                    "behind the backward, all but the last").format(
+                                      where=where))
         if m.shares_cores(ranks) and isinstance(got, (int, float)) and \
                 not isinstance(got, bool) and got < want * (1 - 1e-9):
-            raise WrongAnswer(f"{where}: too small: as many ranks as cores leave no "
-                              "core for gloo, so nothing hides and the ranks share "
-                              "the cores' FLOP/s (at the measured share where "
-                              "'shared' gives one)")
+            raise WrongAnswer(_("{where}: too small: as many ranks as cores leave no "
+                                "core for gloo, so nothing hides and the ranks share "
+                                "the cores' FLOP/s (at the measured share where "
+                                "'shared' gives one)").format(where=where))
         check_close(where, got, want, rel=1e-6, hint=(
-            "compute F / N over the rank's share of the FLOP/s (the measured "
-            "'shared' where given), the optimizer over the same share, then the "
-            "buckets: added when ranks >= cores, else played on two queues"))
+            _("compute F / N over the rank's share of the FLOP/s (the measured "
+              "'shared' where given), the optimizer over the same share, then the "
+              "buckets: added when ranks >= cores, else played on two queues")))
         first = want if first is None else first
     return measured_ratio(measured, cores, first)
 
@@ -229,9 +235,9 @@ def measured_ratio(measured: dict, cores: int, predicted_s: float) -> float:
 
 #: What ``check_predict_step`` switches off while the learner's function runs.
 _PREDICT_STEP_FORBIDS = {
-    'dtlib.planner.step_time:predict': "the book's own model",
-    'dtlib.planner.overlap:two_streams': "the book's own timeline",
-    'dtlib.planner.estimate:estimate': "the book's own model",
+    'dtlib.planner.step_time:predict': N_("the book's own model"),
+    'dtlib.planner.overlap:two_streams': N_("the book's own timeline"),
+    'dtlib.planner.estimate:estimate': N_("the book's own model"),
 }
 
 
@@ -266,7 +272,9 @@ def check_predict_step(predict_step: Callable[[dict], float]) -> None:
     measured = launch.spawn(measure_on_rank, PREDICT_WORLD, timeout=300,
                             stream=False)[0]
     ratio = judge_predict_step(predict_step, measured, os.cpu_count() or 1)
-    where = "inside" if BAND[0] <= ratio <= BAND[1] else "outside"
-    passed(f"your model is the chapter's on four machines; measured / predicted on "
-           f"{PREDICT_WORLD} ranks here: {ratio:.2f}, {where} the band "
-           f"{BAND[0]}-{BAND[1]} an idle machine keeps")
+    where = _("inside") if BAND[0] <= ratio <= BAND[1] else _("outside")
+    passed(_("your model is the chapter's on four machines; measured / predicted on "
+             "{predict_world} ranks here: {ratio:.2f}, {where} the band "
+             "{band_0}-{band_1} an idle machine keeps").format(
+               predict_world=PREDICT_WORLD, ratio=ratio, where=where, band_0=BAND[0],
+               band_1=BAND[1]))

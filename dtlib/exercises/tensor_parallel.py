@@ -14,14 +14,15 @@ from dtlib.collectives.cost_model import cost_terms
 from dtlib.exercises import WrongAnswer, check_close, checker, passed, run_on_ranks
 from dtlib.tensor_parallel.gpt import block_tp_numbers
 from dtlib.tensor_parallel.layers import full_linear, tp_rank, tp_size
+from dtlib.runtime.i18n import N_, _
 
 
 #: What ``check_tp_numbers`` switches off while the learner's function runs.
 _TP_NUMBERS_FORBIDS = {
-    'dtlib.tensor_parallel.gpt:block_tp_numbers': "the checker's truth",
-    'dtlib.tensor_parallel.gpt:parallel_param_count': "the book's own count",
-    'dtlib.collectives.cost_model:cost_terms': "the book's formula",
-    'dtlib.collectives.cost_model:bytes_sent_per_rank': "the book's formula",
+    'dtlib.tensor_parallel.gpt:block_tp_numbers': N_("the checker's truth"),
+    'dtlib.tensor_parallel.gpt:parallel_param_count': N_("the book's own count"),
+    'dtlib.collectives.cost_model:cost_terms': N_("the book's formula"),
+    'dtlib.collectives.cost_model:bytes_sent_per_rank': N_("the book's formula"),
 }
 
 
@@ -44,7 +45,7 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
     """
     rng = random.Random(seed)
     drawn = []
-    for _ in range(3):
+    for _draw in range(3):
         tp = rng.randint(1, 8)
         drawn.append((tp * 8 * rng.randint(1, 64), rng.randint(1, 16),
                       rng.randint(1, 4096), tp))
@@ -52,26 +53,28 @@ def check_tp_numbers(predict: Callable[[int, int, int, int], dict[str, Any]],
         got = predict(h, b, s, tp)
         truth = block_tp_numbers(h, b, s, tp)
         if not isinstance(got, Mapping):
-            raise WrongAnswer(f"predict must return a dict, got {type(got).__name__}")
+            raise WrongAnswer(_("predict must return a dict, got {type}").format(
+                                  type=type(got).__name__))
         where = f"h={h}, b={b}, s={s}, tp={tp}"
         check_close(f"{where}: params_per_rank", got.get("params_per_rank"),
                     truth["params_per_rank"], hint=(
-                        "list the four layers' weights and biases and ask of each: "
-                        "split over the tp ranks, or whole on every rank? A row "
-                        "layer's bias is added after the sum ('Memory per rank')"))
+                        _("list the four layers' weights and biases and ask of each: "
+                          "split over the tp ranks, or whole on every rank? A row "
+                          "layer's bias is added after the sum ('Memory per rank')")))
         check_close(f"{where}: allreduce_bytes", got.get("allreduce_bytes"),
                     truth["allreduce_bytes"], hint=(
-                        "count the f and g operators in one block, and the shape and "
-                        "dtype of the tensor each one all-reduces, in forward and in "
-                        "backward ('Two ways to split a matmul')"))
+                        _("count the f and g operators in one block, and the shape "
+                          "and dtype of the tensor each one all-reduces, in forward "
+                          "and in backward ('Two ways to split a matmul')")))
         # float arithmetic on integers below 2**53 and one ratio: a few ulps apart
         check_close(f"{where}: ring_send_bytes", got.get("ring_send_bytes"),
                     truth["allreduce_bytes"] * cost_terms("ring", "all_reduce", tp)[1],
                     rel=1e-9, hint=(
-                        "a message is not what travels: in a ring all-reduce each rank "
-                        "sends 2(N-1)/N of the message, a reduce-scatter then an "
-                        "all-gather ('An all-gather that is not needed')"))
-    passed(f"your formulas match the tensor-parallel block on {len(cases)} shapes")
+                        _("a message is not what travels: in a ring all-reduce each "
+                          "rank sends 2(N-1)/N of the message, a reduce-scatter then "
+                          "an all-gather ('An all-gather that is not needed')")))
+    passed(_("your formulas match the tensor-parallel block on {n_cases} "
+             "shapes").format(n_cases=len(cases)))
 
 
 # ---- build it: a column-parallel linear layer with f, on real ranks ------------------
@@ -134,11 +137,12 @@ def _close(a: Any, b: torch.Tensor) -> bool:
 
 #: What ``check_column_parallel`` switches off while the learner's function runs.
 _COLUMN_PARALLEL_FORBIDS = {
-    'dtlib.tensor_parallel.mappings:copy_to_tp': "the book's own f",
-    'dtlib.tensor_parallel.mappings:CopyToParallelRegion.forward': "the book's own f",
-    'dtlib.tensor_parallel.mappings:reduce_from_tp': "the book's g",
+    'dtlib.tensor_parallel.mappings:copy_to_tp': N_("the book's own f"),
+    'dtlib.tensor_parallel.mappings:CopyToParallelRegion.forward':
+        N_("the book's own f"),
+    'dtlib.tensor_parallel.mappings:reduce_from_tp': N_("the book's g"),
     'dtlib.tensor_parallel.layers:ColumnParallelLinear.forward':
-        "the book's own column-parallel layer",
+        N_("the book's own column-parallel layer"),
 }
 
 
@@ -157,51 +161,63 @@ def check_column_parallel(fn: Callable[..., torch.Tensor],
         world_sizes = (2, 4, random.Random(seed).choice((3, 5)))
     full = _column_reference()
     for n in world_sizes:
-        ranks = run_on_ranks(_column_on_rank, fn, n, what="your column-parallel layer")
+        ranks = run_on_ranks(_column_on_rank, fn, n, what=_(
+                "your column-parallel layer"))
         for r, res in enumerate(ranks):
             lo, hi = res["rows"]
-            where = f"tp={n}, rank {r}"
+            where = _("tp={n}, rank {r}").format(n=n, r=r)
             if "out" not in res:
-                raise WrongAnswer(f"{where}: the output has shape {res['shape']}; a "
-                                  "column-parallel layer returns this rank's slice, "
-                                  f"(batch, h_out / tp) = ({_COL_BATCH}, {hi - lo}).")
+                raise WrongAnswer(_("{where}: the output has shape {res_shape}; a "
+                                    "column-parallel layer returns this rank's slice, "
+                                    "(batch, h_out / tp) = ({col_batch}, "
+                                    "{value}).").format(
+                                      where=where, res_shape=res['shape'],
+                                      col_batch=_COL_BATCH, value=hi - lo))
             if not _close(res["out"], full["out"][:, lo:hi]):
                 raise WrongAnswer(
-                    f"{where}: the output slice differs from one process's columns "
-                    f"{lo}:{hi}.", "in forward a column-parallel layer needs no "
-                    "communication: f is the identity there ('Two ways to split a "
-                    "matmul').")
+                    _("{where}: the output slice differs from one process's columns "
+                      "{lo}:{hi}.").format(where=where, lo=lo, hi=hi), _(
+                              "in forward a column-parallel layer needs no "
+                              "communication: f is the identity there ('Two ways to "
+                              "split a matmul')."))
             if res["x_grad"] is None:
-                raise WrongAnswer(f"{where}: x.grad is None: the output does not "
-                                  "depend on x through autograd (a detach, or "
-                                  "no_grad?).")
+                raise WrongAnswer(_("{where}: x.grad is None: the output does not "
+                                    "depend on x through autograd (a detach, or "
+                                    "no_grad?).").format(where=where))
             if _close(res["x_grad"], _column_reference((lo, hi))["x_grad"]) and n > 1:
                 raise WrongAnswer(
-                    f"{where}: x.grad holds only this rank's share of the input "
-                    "gradient: the contribution of its own output columns.",
-                    "the input is used by every rank's columns, so its gradient is the "
-                    "sum over ranks. Which operator sums in backward and does nothing "
-                    "in forward, and where must it sit? ('Two ways to split a "
-                    "matmul')")
+                    _("{where}: x.grad holds only this rank's share of the input "
+                      "gradient: the contribution of its own output columns.").format(
+                        where=where),
+                    _("the input is used by every rank's columns, so its gradient is "
+                      "the sum over ranks. Which operator sums in backward and does "
+                      "nothing in forward, and where must it sit? ('Two ways to split "
+                      "a matmul')"))
             if not _close(res["x_grad"], full["x_grad"]):
-                raise WrongAnswer(f"{where}: x.grad differs from one process's.",
-                                  "in backward, f sums the ranks' input gradients "
-                                  "once; nothing else may touch them")
+                raise WrongAnswer(_("{where}: x.grad differs from one "
+                                    "process's.").format(where=where),
+                                  _("in backward, f sums the ranks' input gradients "
+                                    "once; nothing else may touch them"))
             if not (_close(res["w_grad"], full["w_grad"][lo:hi]) and
                     _close(res["b_grad"], full["b_grad"][lo:hi])):
-                raise WrongAnswer(f"{where}: the weight or bias shard's gradient "
-                                  "differs from one process's rows.")
+                raise WrongAnswer(_("{where}: the weight or bias shard's gradient "
+                                    "differs from one process's rows.").format(
+                                      where=where))
             # The method: f is the identity in forward and one all-reduce of the
             # input's gradient in backward (the recorder sees every spelling).
             if res["forward_ops"] and n > 1:
                 raise WrongAnswer(
-                    f"{where}: your forward communicates ({res['forward_ops']}), and "
-                    "gets the right numbers anyway: f's forward is the identity, a "
-                    "column-parallel forward sends nothing.")
+                    _("{where}: your forward communicates ({res_forward_ops}), and "
+                      "gets the right numbers anyway: f's forward is the identity, a "
+                      "column-parallel forward sends nothing.").format(
+                        where=where, res_forward_ops=res['forward_ops']))
             if n > 1 and res["backward_ops"] != [("all_reduce", _COL_BATCH * _COL_IN)]:
                 raise WrongAnswer(
-                    f"{where}: backward issued {res['backward_ops'] or 'nothing'} "
-                    "(op, elements): f all-reduces x's gradient once, "
-                    f"{_COL_BATCH} x {_COL_IN} elements, and nothing else.")
-    passed(f"your column-parallel layer with f equals one process on "
-           f"{list(world_sizes)} ranks: output slices, input and weight gradients")
+                    _("{where}: backward issued {value} (op, elements): f all-reduces "
+                      "x's gradient once, {col_batch} x {col_in} elements, and "
+                      "nothing else.").format(
+                        where=where, value=res['backward_ops'] or 'nothing',
+                        col_batch=_COL_BATCH, col_in=_COL_IN))
+    passed(_("your column-parallel layer with f equals one process on {world_sizes} "
+             "ranks: output slices, input and weight gradients").format(
+               world_sizes=list(world_sizes)))

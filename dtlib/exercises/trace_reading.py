@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from dtlib.exercises import WrongAnswer, as_number, checker, passed
 from dtlib.planner.trace import exposed_comm, intervals, is_comm
+from dtlib.runtime.i18n import N_, _
 
 #: The strategy whose step the checker traces, and on how many gloo ranks.
 TRACE_STRATEGY, TRACE_WORLD = "ddp/overlapped", 2
@@ -59,13 +60,15 @@ def _wrong_readings(events: Sequence[Event]) -> list[tuple[float, str]]:
     compute = sum(t - s for s, t in intervals(events, False))
     span = exposed_comm(events)["span_us"]
     return [
-        (exposed_comm(events)["comm_us"], "that is all the communication: the part "
-         "that ran under compute is hidden, not exposed"),
-        (sum(e[3] - e[2] for e in comm), "that sums the communication events: "
-         "overlapping events count twice, and the part under compute is hidden"),
-        (compute, "that is the compute time, the other row of the trace"),
-        (span - compute, "that is all the time without compute, idle gaps with no "
-         "communication included")]
+        (exposed_comm(events)["comm_us"], _("that is all the communication: the "
+                                            "part that ran under compute is hidden, "
+                                            "not exposed")),
+        (sum(e[3] - e[2] for e in comm), _("that sums the communication events: "
+                                           "overlapping events count twice, and the "
+                                           "part under compute is hidden")),
+        (compute, _("that is the compute time, the other row of the trace")),
+        (span - compute, _("that is all the time without compute, idle gaps with no "
+                           "communication included"))]
 
 
 def judge_exposed_comm(exposed_us: Callable[[list[Event]], float],
@@ -78,28 +81,31 @@ def judge_exposed_comm(exposed_us: Callable[[list[Event]], float],
     want, tol = exposed_comm(events)["exposed_us"], band_us(events)
     got = exposed_us(list(events))
     if as_number(got) is None:
-        raise WrongAnswer(f"{where}: expected a number of microseconds, got "
-                          f"{type(got).__name__} {got!r}")
+        raise WrongAnswer(_("{where}: expected a number of microseconds, got {type} "
+                            "{got!r}").format(
+                              where=where, type=type(got).__name__, got=got))
     got = as_number(got)
     if abs(got - want) <= tol:
         return want
     for wrong, why in _wrong_readings(events):
         if abs(got - wrong) <= tol < abs(wrong - want) - tol:
             raise WrongAnswer(f"{where}: {why}")
-    side = "too large" if got > want else "too small"
-    raise WrongAnswer(f"{where}: got {got!r} us, {side}", hint=(
-        "merge the communication events' spans, merge the compute events' spans "
-        "(aten:: on threads that run no communication), and measure what of the "
-        "first the second does not cover"))
+    side = _("too large") if got > want else _(
+            "too small")
+    raise WrongAnswer(_("{where}: got {got!r} us, {side}").format(
+                          where=where, got=got, side=side), hint=(
+        _("merge the communication events' spans, merge the compute events' spans "
+          "(aten:: on threads that run no communication), and measure what of the "
+          "first the second does not cover")))
 
 
 #: What ``check_exposed_comm`` switches off while the learner's function runs.
 _EXPOSED_COMM_FORBIDS = {
-    'dtlib.planner.trace:exposed_comm': "the checker's truth",
-    'dtlib.planner.trace:intervals': "the book's own trace reader",
-    'dtlib.planner.trace:union_length': "the book's own trace reader",
-    'dtlib.planner.trace:comm_calls': "the book's own trace reader",
-    'dtlib.planner.trace:share_named': "the book's own trace reader",
+    'dtlib.planner.trace:exposed_comm': N_("the checker's truth"),
+    'dtlib.planner.trace:intervals': N_("the book's own trace reader"),
+    'dtlib.planner.trace:union_length': N_("the book's own trace reader"),
+    'dtlib.planner.trace:comm_calls': N_("the book's own trace reader"),
+    'dtlib.planner.trace:share_named': N_("the book's own trace reader"),
 }
 
 
@@ -120,15 +126,18 @@ def check_exposed_comm(exposed_us: Callable[[list[Event]], float]) -> None:
     from dtlib.runtime import launch
 
     for i, events in enumerate(HAND_TRACES):
-        judge_exposed_comm(exposed_us, events, f"hand-made trace {i + 1}")
+        judge_exposed_comm(exposed_us, events, _("hand-made trace {n}").format(n=i + 1))
     events = launch.spawn(record_on_rank, TRACE_WORLD, timeout=300,
                           stream=False)[0]
-    judge_exposed_comm(exposed_us, events, f"the recorded {TRACE_STRATEGY} step")
+    judge_exposed_comm(exposed_us, events, _("the recorded {strategy} step").format(
+        strategy=TRACE_STRATEGY))
     got = exposed_comm(events)
-    passed(f"in the recorded step {got['exposed_us'] / 1e3:.1f} ms of "
-           f"{got['comm_us'] / 1e3:.1f} ms of communication ran with no compute "
-           f"beside it, {got['exposed_fraction']:.0%} of the traced "
-           f"{got['span_us'] / 1e3:.1f} ms")
+    passed(_("in the recorded step {value:.1f} ms of {value2:.1f} ms of communication "
+             "ran with no compute beside it, {got_exposed_fraction:.0%} of the traced "
+             "{value3:.1f} ms").format(
+               value=got['exposed_us'] / 1000.0, value2=got['comm_us'] / 1000.0,
+               got_exposed_fraction=got['exposed_fraction'],
+               value3=got['span_us'] / 1000.0))
 
 
 def record_on_rank() -> list[Event]:

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 from dtlib.exercises import (WrongAnswer, as_number, check_close, checker, passed,
                              run_on_ranks)
+from dtlib.runtime.i18n import N_, _
 
 _CASES = ((1, 4, 32, 1), (4, 2, 32, 1), (4, 2, 32, 4), (8, 1, 1024, 16))
 
@@ -18,7 +19,7 @@ def _truth(world_size: int, micro_batch: int, seq_len: int, accum_steps: int) ->
 
 #: What ``check_loss_multiplier`` switches off while the learner's function runs.
 _LOSS_MULTIPLIER_FORBIDS = {
-    'dtlib.exercises.train:_truth': "the checker's truth",
+    'dtlib.exercises.train:_truth': N_("the checker's truth"),
 }
 
 
@@ -34,15 +35,20 @@ def check_loss_multiplier(multiplier: Callable[[int, int, int, int], float]) -> 
         if isinstance(got, (int, float)) and world_size > 1 \
                 and abs(got - truth / world_size) <= 1e-12 * truth:
             raise WrongAnswer(
-                f"world_size={world_size}: {got!r} is the mean over the global batch's "
-                "tokens, but DDP then divides the summed gradients by world_size "
-                "again. Hint: multiply by world_size to undo that division.")
-        check_close(f"multiplier(world_size={world_size}, micro_batch={micro_batch}, "
-                    f"seq_len={seq_len}, accum_steps={accum_steps})", got, truth,
-                    rel=1e-9, hint="count the tokens of the whole optimizer step on "
-                    "all ranks, and remember what DDP does to the ranks' gradients "
-                    "(Chapter 8, 'Accumulation under DDP')")
-    passed(f"your multiplier is right for {len(_CASES)} configurations")
+                _("world_size={world_size}: {got!r} is the mean over the global "
+                  "batch's tokens, but DDP then divides the summed gradients by "
+                  "world_size again. Hint: multiply by world_size to undo that "
+                  "division.").format(world_size=world_size, got=got))
+        check_close(_("multiplier(world_size={world_size}, micro_batch={micro_batch}, "
+                      "seq_len={seq_len}, accum_steps={accum_steps})").format(
+                        world_size=world_size, micro_batch=micro_batch,
+                        seq_len=seq_len, accum_steps=accum_steps), got, truth,
+                    rel=1e-9, hint=_("count the tokens of the whole optimizer step on "
+                                     "all ranks, and remember what DDP does to the "
+                                     "ranks' gradients (Chapter 8, 'Accumulation "
+                                     "under DDP')"))
+    passed(_("your multiplier is right for {n__cases} configurations").format(
+               n__cases=len(_CASES)))
 
 
 # ---- build it: wrap a GPT with FSDP2, block by block, on real ranks ------------------
@@ -98,7 +104,7 @@ def _grad_tol(want: Any) -> float:
 
 #: What ``check_fsdp2_wrapping`` switches off while the learner's function runs.
 _FSDP2_WRAPPING_FORBIDS = {
-    'dtlib.zero.fsdp:shard_fsdp2': "the book's own FSDP2 wrapping",
+    'dtlib.zero.fsdp:shard_fsdp2': N_("the book's own FSDP2 wrapping"),
 }
 
 
@@ -112,44 +118,50 @@ def check_fsdp2_wrapping(wrap: Callable[[Any], Any], world_size: int = 2) -> Non
     from dtlib.models.reference import reference_gpt_run
     from dtlib.models.sizes import size
 
-    ranks = run_on_ranks(_fsdp_on_rank, wrap, world_size, what="your FSDP2 wrapping")
+    ranks = run_on_ranks(_fsdp_on_rank, wrap, world_size, what=_(
+            "your FSDP2 wrapping"))
     res = ranks[0]
     if "error" in res:
         if res["root"] and not all(res["blocks"]):
             raise WrongAnswer(
-                "the root was sharded before its blocks: fully_shard(model) makes "
-                "every parameter of the model, the blocks' included, part of the "
-                "root's unit, and a block wrapped afterwards finds its parameters "
-                "already sharded "
-                f"(torch says: {res['error'][:120]}).", "wrap innermost first: each "
-                "block, then the root (Chapter 4, 'FSDP2')")
-        raise WrongAnswer(f"your wrap raised {res['error']}")
+                _("the root was sharded before its blocks: fully_shard(model) makes "
+                  "every parameter of the model, the blocks' included, part of the "
+                  "root's unit, and a block wrapped afterwards finds its parameters "
+                  "already sharded (torch says: {res_error}).").format(
+                    res_error=res['error'][:120]), _(
+                            "wrap innermost first: each block, then the root (Chapter "
+                            "4, 'FSDP2')"))
+        raise WrongAnswer(_("your wrap raised {res_error}").format(
+                              res_error=res['error']))
     if not res["root"]:
         raise WrongAnswer(
-            "the model itself is not sharded: its own parameters (embeddings, final "
-            "norm, head) stay whole on every rank, and nothing gathers the first "
-            "unit before forward.", "call fully_shard on the root too, after the "
-            "blocks (Chapter 4, 'FSDP2')")
+            _("the model itself is not sharded: its own parameters (embeddings, final "
+              "norm, head) stay whole on every rank, and nothing gathers the first "
+              "unit before forward."), _("call fully_shard on the root too, after the "
+                                         "blocks (Chapter 4, 'FSDP2')"))
     if not all(res["blocks"]):
         missing = [i for i, unit in enumerate(res["blocks"]) if not unit]
         raise WrongAnswer(
-            f"blocks {missing} are not units of their own: their parameters belong to "
-            "the root's unit, which is gathered whole, so the peak memory holds the "
-            "whole model.", "fully_shard each block first (innermost units first), "
-            "then the root")
+            _("blocks {missing} are not units of their own: their parameters belong "
+              "to the root's unit, which is gathered whole, so the peak memory holds "
+              "the whole model.").format(missing=missing), _(
+                      "fully_shard each block first (innermost units first), then the "
+                      "root"))
     kept = [i for i, r in enumerate(res["resharded"]) if not r]
     if kept:
         raise WrongAnswer(
-            f"blocks {kept} keep their gathered parameters after forward "
-            "(reshard_after_forward=False): every block's full parameters then stay in "
-            "memory until its backward, and the peak is the whole model again.",
-            "leave reshard_after_forward at its default, True, for the blocks: each "
-            "is gathered again in backward (Chapter 4, 'FSDP2')")
+            _("blocks {kept} keep their gathered parameters after forward "
+              "(reshard_after_forward=False): every block's full parameters then stay "
+              "in memory until its backward, and the peak is the whole model "
+              "again.").format(kept=kept),
+            _("leave reshard_after_forward at its default, True, for the blocks: each "
+              "is gathered again in backward (Chapter 4, 'FSDP2')"))
     truth = reference_gpt_run(size("tiny"), world_size * _FSDP_MICRO, 1)["grads"]
     for name, want in truth.items():
         got = res["grads"].get(name)
         if got is None or (got - want).abs().max() > _grad_tol(want):
-            raise WrongAnswer(f"the gradient of {name} differs from one process's on "
-                              "the whole batch.")
-    passed(f"each of {len(res['blocks'])} blocks is an FSDP2 unit, then the root; the "
-           f"gradients on {world_size} ranks equal one process's")
+            raise WrongAnswer(_("the gradient of {name} differs from one process's on "
+                                "the whole batch.").format(name=name))
+    passed(_("each of {n_res_blocks} blocks is an FSDP2 unit, then the root; the "
+             "gradients on {world_size} ranks equal one process's").format(
+               n_res_blocks=len(res['blocks']), world_size=world_size))

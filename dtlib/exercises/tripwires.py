@@ -27,9 +27,10 @@ import types
 from typing import Any, Callable, Iterator, Mapping
 
 from dtlib.exercises.feedback import WrongAnswer
+from dtlib.runtime.i18n import _, language
 
 #: How a tripwire's message starts in a rank's traceback.
-MARKER = "ShortcutTaken: your code called `"
+MARKER = "ShortcutTaken: "
 _SENTINEL = 0x5D7A11  # the constant a tripwire's code raises, replaced by its class
 
 
@@ -40,8 +41,8 @@ class ShortcutTaken(WrongAnswer):
 
     def __init__(self, message: str = "", hint: str = "") -> None:
         super().__init__(message or self.text,
-                         hint or "the exercise's text says what you may use; build "
-                                 "the rest yourself")
+                         hint or _("the exercise's text says what you may use; build "
+                                   "the rest yourself"))
 
 
 ShortcutTaken.__module__ = "dtlib.exercises"
@@ -97,11 +98,13 @@ _ARMED: dict[int, list[Any]] = {}  # id(fn) -> [fn, its code, how many armed it]
 
 
 @functools.lru_cache(maxsize=None)
-def _error_for(target: str, why: str) -> type[ShortcutTaken]:
+def _error_for(target: str, why: str, lang: str) -> type[ShortcutTaken]:
+    # lang: one class per language the message was made in (the cache's key)
     shown = target.replace(":", ".")
     return type("ShortcutTaken", (ShortcutTaken,), {
-        "text": f"your code called `{shown}` ({why}): this exercise asks you to "
-                "write it yourself", "__module__": "dtlib.exercises"})
+        "text": _("your code called `{shown}` ({why}): this exercise asks you to "
+                  "write it yourself").format(shown=shown, why=_(why)),
+        "__module__": "dtlib.exercises"})
 
 
 @contextlib.contextmanager
@@ -118,7 +121,7 @@ def tripwires(forbidden: Mapping[str, str]) -> Iterator[None]:
             entry = _ARMED.get(id(fn))
             if entry is None:
                 _ARMED[id(fn)] = [fn, fn.__code__, 1]
-                fn.__code__ = _raiser(fn, _error_for(target, why))
+                fn.__code__ = _raiser(fn, _error_for(target, why, language()))
             else:
                 entry[2] += 1
             armed.append(fn)

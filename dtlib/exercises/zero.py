@@ -10,6 +10,7 @@ import torch
 from dtlib.collectives.accounting import count_comms
 from dtlib.exercises import WrongAnswer, checker, passed, run_on_ranks
 from dtlib.memory.formulas import model_state_bytes
+from dtlib.runtime.i18n import N_, _
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 0.01
 
@@ -54,8 +55,8 @@ def _case(world_size: int, numel: int, seed: int, tiny: bool = False):
 
 #: What ``check_zero1_shard_step`` switches off while the learner's function runs.
 _ZERO1_SHARD_STEP_FORBIDS = {
-    'dtlib.exercises.zero:_adamw': "the checker's truth",
-    'dtlib.zero.optimizer:ShardedOptimizer.step': "the book's own ZeRO-1 step",
+    'dtlib.exercises.zero:_adamw': N_("the checker's truth"),
+    'dtlib.zero.optimizer:ShardedOptimizer.step': N_("the book's own ZeRO-1 step"),
 }
 
 
@@ -91,14 +92,17 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor],
             want = _adamw(params[lo:hi], mean[lo:hi], m, v, step, lr)
             got = fn(params.clone(), [g.clone() for g in grads], rank, m.clone(),
                      v.clone(), step, lr)
-            where = f"world_size={world_size}, rank={rank}, {numel} parameters" + (
-                ", fresh moments and gradients near eps (some zero on every rank)"
+            where = _("world_size={world_size}, rank={rank}, {numel} "
+                      "parameters").format(
+                        world_size=world_size, rank=rank, numel=numel) + (
+                _(", fresh moments and gradients near eps (some zero on every rank)")
                 if tiny else "")
             if not torch.is_tensor(got) or got.shape != want.shape:
                 shape = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
                 raise WrongAnswer(
-                    f"{where}: expected a tensor of shape {tuple(want.shape)} "
-                    f"(the shard: padded size / world_size), got {shape}")
+                    _("{where}: expected a tensor of shape {shape} (the shard: padded "
+                      "size / world_size), got {shape2}").format(
+                        where=where, shape=tuple(want.shape), shape2=shape))
             # A right answer differs from ``want`` only by float32 rounding in another
             # order (sum then divide vs mean, the moments' updates): a few ulps of the
             # O(1) parameters (u = 6e-8, so ~1e-7), plus lr (1e-2) times a few ulps of
@@ -113,48 +117,53 @@ def check_zero1_shard_step(fn: Callable[..., torch.Tensor],
                 continue
             if got.isnan().any():
                 raise WrongAnswer(
-                    f"{where}: your shard has NaN where the gradient and both moments "
-                    "are zero.", "AdamW divides by sqrt(v_hat) + eps (eps = 1e-8): "
-                    "the eps keeps 0 / 0 out")
+                    _("{where}: your shard has NaN where the gradient and both "
+                      "moments are zero.").format(where=where), _(
+                              "AdamW divides by sqrt(v_hat) + eps (eps = 1e-8): the "
+                              "eps keeps 0 / 0 out"))
             hints = [
                 (_adamw(params[lo:hi], mean[lo:hi] * world_size, m, v, step, lr),
-                 "you used the summed gradient: the reduce-scatter sums, divide by "
-                 "the world size"),
+                 _("you used the summed gradient: the reduce-scatter sums, divide by "
+                   "the world size")),
                 (_adamw(params[lo:hi], grads[rank][lo:hi], m, v, step, lr),
-                 "you used this rank's local gradient: average over all ranks first"),
+                 _("you used this rank's local gradient: average over all ranks "
+                   "first")),
                 (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr,
                         bias_correction=False),
-                 "bias correction is missing: divide m by 1 - beta1**t and v by "
-                 "1 - beta2**t with t = step + 1"),
+                 _("bias correction is missing: divide m by 1 - beta1**t and v by "
+                   "1 - beta2**t with t = step + 1")),
                 (_adamw(params[lo:hi], mean[lo:hi] + WEIGHT_DECAY * params[lo:hi],
                         m, v, step, lr, decay=False),
-                 "that is Adam with L2 regularisation: the decay was added to the "
-                 "gradient, so it went through m and v. AdamW decouples it: multiply "
-                 "p by 1 - lr * weight_decay, and give the moments the gradient "
-                 "alone"),
+                 _("that is Adam with L2 regularisation: the decay was added to the "
+                   "gradient, so it went through m and v. AdamW decouples it: "
+                   "multiply p by 1 - lr * weight_decay, and give the moments the "
+                   "gradient alone")),
                 (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr, decay=False),
-                 "weight decay is missing: AdamW multiplies p by "
-                 "1 - lr * weight_decay"),
+                 _("weight decay is missing: AdamW multiplies p by "
+                   "1 - lr * weight_decay")),
                 (_adamw(params[lo:hi], mean[lo:hi], m, v, step, lr, eps=0.0),
-                 "eps is missing: AdamW divides by sqrt(v_hat) + eps"),
+                 _("eps is missing: AdamW divides by sqrt(v_hat) + eps")),
             ]
             hint = next((h for alt, h in hints if torch.allclose(got, alt, atol=1e-6)),
-                        f"rank {rank} owns elements [{lo}, {hi}) of the flat buffer")
-            raise WrongAnswer(f"{where}: wrong updated shard. Hint: {hint}")
-    passed("your ZeRO-1 shard step matches AdamW on the averaged gradient shard")
+                        _("rank {rank} owns elements [{lo}, {hi}) of the flat "
+                          "buffer").format(rank=rank, lo=lo, hi=hi))
+            raise WrongAnswer(_("{where}: wrong updated shard. Hint: {hint}").format(
+                                  where=where, hint=hint))
+    passed(_("your ZeRO-1 shard step matches AdamW on the averaged gradient shard"))
 
 
-_TERMS = {"params": "parameters (2 bytes each)", "grads": "gradients (2 bytes each)",
-          "optimizer": "optimizer state (12 bytes each)"}
+_TERMS = {"params": N_("parameters (2 bytes each)"),
+          "grads": N_("gradients (2 bytes each)"),
+          "optimizer": N_("optimizer state (12 bytes each)")}
 
 
 #: What ``check_stage_memory`` switches off while the learner's function runs.
 _STAGE_MEMORY_FORBIDS = {
-    'dtlib.memory.formulas:model_state_bytes': "the checker's truth",
-    'dtlib.memory.formulas:bytes_per_param': "the book's formula",
-    'dtlib.memory.formulas:estimate': "the book's planner",
-    'dtlib.zero.fsdp:fsdp_state_bytes': "the book's own count",
-    'dtlib.zero.deepspeed_engine:deepspeed_state_bytes': "the book's own count",
+    'dtlib.memory.formulas:model_state_bytes': N_("the checker's truth"),
+    'dtlib.memory.formulas:bytes_per_param': N_("the book's formula"),
+    'dtlib.memory.formulas:estimate': N_("the book's planner"),
+    'dtlib.zero.fsdp:fsdp_state_bytes': N_("the book's own count"),
+    'dtlib.zero.deepspeed_engine:deepspeed_state_bytes': N_("the book's own count"),
 }
 
 
@@ -180,11 +189,14 @@ def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]],
                                  *drawn):
         truth = model_state_bytes(n, zero_stage=stage, dp=world_size)
         got = fn(n, stage, world_size)
-        where = f"n_params={n}, zero_stage={stage}, world_size={world_size}"
+        where = _("n_params={n}, zero_stage={stage}, world_size={world_size}").format(
+                    n=n, stage=stage, world_size=world_size)
         if not isinstance(got, dict) or set(got) != set(_TERMS):
-            raise WrongAnswer(f"{where}: return a dict with the keys {sorted(_TERMS)} "
-                              f"(bytes per device of each model state), got {got!r}")
-        for key, name in _TERMS.items():
+            raise WrongAnswer(_("{where}: return a dict with the keys {terms} (bytes "
+                                "per device of each model state), got {got!r}").format(
+                                  where=where, terms=sorted(_TERMS), got=got))
+        for key, term in _TERMS.items():
+            name = _(term)
             want = getattr(truth, key)
             if got[key] == want:
                 continue
@@ -192,18 +204,20 @@ def check_stage_memory(fn: Callable[[int, int, int], dict[str, int]],
             per = {"params": 2, "grads": 2, "optimizer": 12}[key]
             sharded = want == per * shard
             if sharded and got[key] == per * n / world_size:
-                hint = "shard sizes round up: use ceil(n_params / world_size)"
+                hint = _("shard sizes round up: use ceil(n_params / world_size)")
             else:
-                hint = (f"is the {name} split over the ranks at stage {stage}? "
-                        "Stage by stage, ZeRO shards one more state ('The three "
-                        "stages')")
-            verdict = ("should be sharded" if sharded and got[key] > want else
-                       "should not be sharded" if not sharded and got[key] < want
-                       else "is not right")
-            raise WrongAnswer(f"{where}: the {name}: got {got[key]!r}; at this stage "
-                              f"this term {verdict}.", hint)
-    passed("your per-device bytes of each model state match the ZeRO paper for "
-           "stages 0-3")
+                hint = (_("is the {name} split over the ranks at stage {stage}? Stage "
+                          "by stage, ZeRO shards one more state ('The three "
+                          "stages')").format(name=name, stage=stage))
+            verdict = (_("should be sharded") if sharded and got[key] > want else
+                       _("should not be sharded") if not sharded and got[key] < want
+                       else _("is not right"))
+            raise WrongAnswer(_("{where}: the {name}: got {got!r}; at this stage this "
+                                "term {verdict}.").format(
+                                  where=where, name=name, got=got[key],
+                                  verdict=verdict), hint)
+    passed(_("your per-device bytes of each model state match the ZeRO paper for "
+             "stages 0-3"))
 
 
 # ---- build it: ZeRO-2's gradient reduce-scatter, as a hook, on real ranks ------------
@@ -262,7 +276,7 @@ def _zero2_truth(world_size: int) -> list[torch.Tensor]:
 
 #: What ``check_zero2_hook`` switches off while the learner's function runs.
 _ZERO2_HOOK_FORBIDS = {
-    'dtlib.exercises.zero:_zero2_truth': "the checker's truth",
+    'dtlib.exercises.zero:_zero2_truth': N_("the checker's truth"),
 }
 
 
@@ -280,56 +294,72 @@ def check_zero2_hook(hook: Callable[[torch.nn.Parameter], None],
     for n in world_sizes:
         truth = _zero2_truth(n)
         try:
-            ranks = run_on_ranks(_zero2_on_rank, hook, n, what="your ZeRO-2 hook")
+            ranks = run_on_ranks(_zero2_on_rank, hook, n, what=_(
+                    "your ZeRO-2 hook"))
         except WrongAnswer as exc:
             if "is deprecated" not in str(exc):
                 raise
             raise WrongAnswer(
-                f"on {n} ranks your ZeRO-2 hook calls a collective under a name this "
-                f"torch ({torch.__version__}) deprecates.", "use "
-                "dist.reduce_scatter_single (Chapter 2), falling back to the older "
-                "name only where torch lacks it: getattr(dist, "
-                "'reduce_scatter_single', None) or dist.reduce_scatter_tensor"
+                _("on {n} ranks your ZeRO-2 hook calls a collective under a name this "
+                  "torch ({version}) deprecates.").format(
+                    n=n, version=torch.__version__), _(
+                            "use dist.reduce_scatter_single (Chapter 2), falling back "
+                            "to the older name only where torch lacks it: "
+                            "getattr(dist, 'reduce_scatter_single', None) or "
+                            "dist.reduce_scatter_tensor")
             ) from None
         for r, res in enumerate(ranks):
-            where = f"world_size={n}, rank {r}"
+            where = _("world_size={n}, rank {r}").format(n=n, r=r)
             other = sorted({c for c in res["comms"] if c != "reduce_scatter"})
             if other:
                 raise WrongAnswer(
-                    f"{where}: your hook calls {other}.", "ZeRO-2 never needs the "
-                    "whole averaged gradient on a rank: a reduce-scatter "
-                    "(dist.reduce_scatter_single, or dist.reduce_scatter over a list "
-                    "of chunks) delivers only this rank's shard, half the traffic of "
-                    "an all-reduce ('The three stages').")
+                    _("{where}: your hook calls {other}.").format(
+                        where=where, other=other), _(
+                                "ZeRO-2 never needs the whole averaged gradient on a "
+                                "rank: a reduce-scatter (dist.reduce_scatter_single, "
+                                "or dist.reduce_scatter over a list of chunks) "
+                                "delivers only this rank's shard, half the traffic of "
+                                "an all-reduce ('The three stages')."))
             if res["comms"].count("reduce_scatter") != len(names):
-                raise WrongAnswer(f"{where}: {len(res['comms'])} reduce-scatters for "
-                                  f"{len(names)} parameters; one per parameter.")
+                raise WrongAnswer(_("{where}: {n_res_comms} reduce-scatters for "
+                                    "{n_names} parameters; one per parameter.").format(
+                                      where=where, n_res_comms=len(res['comms']),
+                                      n_names=len(names)))
             for name, got, freed, full in zip(names, res["shards"],
                                               res["grads_freed"], truth):
                 k = full.numel() // n
                 want = full[r * k:(r + 1) * k]
                 if not isinstance(got, torch.Tensor) or got.shape != want.shape:
                     raise WrongAnswer(
-                        f"{where}, {name}: param.grad_shard should be a tensor of "
-                        f"{k} elements (numel / world_size), got "
-                        f"{tuple(got.shape) if torch.is_tensor(got) else got!r}.")
+                        _("{where}, {name}: param.grad_shard should be a tensor of "
+                          "{k} elements (numel / world_size), got {value!r}.").format(
+                            where=where, name=name, k=k,
+                            value=tuple(got.shape) if torch.is_tensor(got) else got))
                 if got.dtype != want.dtype:
-                    raise WrongAnswer(f"{where}, {name}: the model is {want.dtype}, "
-                                      f"your shard is {got.dtype}.", "make the shard "
-                                      "in the gradient's dtype (dtype=flat.dtype)")
+                    raise WrongAnswer(_("{where}, {name}: the model is {dtype}, your "
+                                        "shard is {dtype2}.").format(
+                                          where=where, name=name, dtype=want.dtype,
+                                          dtype2=got.dtype), _(
+                                                  "make the shard in the gradient's "
+                                                  "dtype (dtype=flat.dtype)"))
                 if torch.allclose(got, want * n, rtol=1e-5, atol=1e-7):
-                    raise WrongAnswer(f"{where}, {name}: the shard is world_size times "
-                                      "too large: the reduce-scatter sums.",
-                                      "average: divide by the world size")
+                    raise WrongAnswer(_("{where}, {name}: the shard is world_size "
+                                        "times too large: the reduce-scatter "
+                                        "sums.").format(where=where, name=name),
+                                      _("average: divide by the world size"))
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-7):
-                    raise WrongAnswer(f"{where}, {name}: the shard differs from this "
-                                      "rank's slice of the averaged gradient.",
-                                      "reduce-scatter the flattened gradient "
-                                      "(param.grad.reshape(-1)); rank r receives "
-                                      "elements r*k to (r+1)*k")
+                    raise WrongAnswer(_("{where}, {name}: the shard differs from this "
+                                        "rank's slice of the averaged "
+                                        "gradient.").format(where=where, name=name),
+                                      _("reduce-scatter the flattened gradient "
+                                        "(param.grad.reshape(-1)); rank r receives "
+                                        "elements r*k to (r+1)*k"))
                 if not freed:
-                    raise WrongAnswer(f"{where}, {name}: param.grad still holds the "
-                                      "full gradient.", "ZeRO-2 saves memory only if "
-                                      "the full gradient is dropped: param.grad = None")
-    passed(f"your hook reduce-scatters each gradient and keeps only the shard, on "
-           f"{list(world_sizes)} ranks")
+                    raise WrongAnswer(_("{where}, {name}: param.grad still holds the "
+                                        "full gradient.").format(
+                                          where=where, name=name), _(
+                                                  "ZeRO-2 saves memory only if the "
+                                                  "full gradient is dropped: "
+                                                  "param.grad = None"))
+    passed(_("your hook reduce-scatters each gradient and keeps only the shard, on "
+             "{world_sizes} ranks").format(world_sizes=list(world_sizes)))
