@@ -18,10 +18,10 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	    -c constraints.txt setuptools wheel deepspeed
 	touch $@
 
-# dtlib's own sentences (feedback, errors) in Chinese: Babel compiles the catalog.
+# dtlib's own sentences (feedback, errors) in Chinese: the catalog compiled to a .mo.
 MO = dtlib/locale/zh_CN/LC_MESSAGES/dtlib.mo
 $(MO): dtlib/locale/zh_CN/LC_MESSAGES/dtlib.po $(BIN)/.installed
-	$(BIN)/pybabel compile -D dtlib -d dtlib/locale -l zh_CN
+	$(BIN)/python -m dtlib.exercises.catalogs compile $< $@
 
 venv: $(BIN)/.installed $(MO)
 

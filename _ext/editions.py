@@ -36,11 +36,32 @@ def _add_link(app: Any, pagename: str, templatename: str, context: dict,
     href, other, _ = twin_href(pagename, app.config.language or "en")
     lang = other.replace("_", "-")
     label = "Read this page in English" if other == "en" else "阅读本页中文版"
+    notice = ""
+    if other == "en" and pagename in _pending(app):
+        notice = ('<div class="admonition note translation-pending"><p>'
+                  "本页的中文翻译尚未完成：还没有译出的段落暂以英文显示。"
+                  f'<a href="{href}" hreflang="{lang}" lang="{lang}">英文版</a>'
+                  "是完整的。</p></div>\n")
     context["body"] = (
         f'<p class="edition-switch"><a href="{href}" hreflang="{lang}" lang="{lang}">'
-        f'{label}</a></p>\n' + context["body"])
+        f'{label}</a></p>\n' + notice + context["body"])
     context["metatags"] = context.get("metatags", "") + (
         f'\n<link rel="alternate" hreflang="{lang}" href="{href}" />')
+
+
+def _pending(app: Any) -> set[str]:
+    """The pages of this edition whose translation is not finished
+    (``locale/<language>/pending.txt``, one page name first on each line)."""
+    import os
+
+    found: set[str] = set()
+    for folder in app.config.locale_dirs:
+        path = os.path.join(app.srcdir, folder, app.config.language, "pending.txt")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                found |= {line.split("#", 1)[0].split()[0] for line in f
+                          if line.split("#", 1)[0].strip()}
+    return found
 
 
 def _alt_texts_as_messages(app: Any, doctree: Any) -> None:

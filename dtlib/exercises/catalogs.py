@@ -173,32 +173,82 @@ def entry_problems(msgid: str, msgstr: str, fuzzy: bool = False,
     return out
 
 
+def pending(lang: str = "zh_CN", locale: Path = LOCALE) -> dict[str, str]:
+    """The pages whose translation is not finished yet: ``locale/<lang>/pending.txt``,
+    one ``docname  why`` per line (``#`` starts a comment).
+
+    Their untranslated messages are shown in English and each such page says so at its
+    top; every message they do translate is held to the same checks as any other.
+    A page leaves the list when its last message is translated (a test insists).
+    """
+    path = locale / lang / "pending.txt"
+    out = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                name, _sep, why = line.partition(" ")
+                out[name] = why.strip()
+    return out
+
+
 def catalog_files(lang: str = "zh_CN", locale: Path = LOCALE) -> list[Path]:
     """Every ``.po`` of the book's edition ``lang``."""
     return sorted((locale / lang / "LC_MESSAGES").rglob("*.po"))
 
 
+def docname(po: Path) -> str:
+    """The page a catalog translates (``.../LC_MESSAGES/notebooks/07_x.po``:
+    ``notebooks/07_x``)."""
+    parts = po.with_suffix("").parts
+    if "LC_MESSAGES" in parts:
+        return "/".join(parts[len(parts) - parts[::-1].index("LC_MESSAGES"):])
+    return po.stem
+
+
 def problems(paths: list[Path] | None = None, terms: list[Term] | None = None,
-             ) -> list[Problem]:
+             waiting: dict[str, str] | None = None) -> list[Problem]:
     """Every problem of every message in ``paths`` (default: the zh_CN catalogs).
 
     The glossary page's own catalog is held to the tokens but not to the glossary
-    (its English column is the English term).
+    (its English column is the English term). A message left untranslated on a page
+    listed in ``waiting`` (default: :func:`pending`) is not a problem; everything
+    else about that page is checked.
     """
     import polib
 
     if terms is None:
         terms = glossary()
+    if waiting is None:
+        waiting = pending() if paths is None else {}
     found = []
     for path in paths if paths is not None else catalog_files():
         rel = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
         own = None if path.stem == "glossary" else terms
+        later = docname(path) in waiting
         for e in polib.pofile(str(path)):
-            if e.obsolete or not e.msgid:
+            if e.obsolete or not e.msgid or (later and not e.msgstr):
                 continue
             for what in entry_problems(e.msgid, e.msgstr, "fuzzy" in e.flags, own):
                 found.append(Problem(rel, e.msgid, what))
     return found
+
+
+def pending_problems(lang: str = "zh_CN", locale: Path = LOCALE) -> list[str]:
+    """What is wrong with ``pending.txt``: a page it names that has no catalog, or
+    whose every message is translated (take it off the list: it is done)."""
+    import polib
+
+    pages = {docname(p): p for p in catalog_files(lang, locale)}
+    out = []
+    for name in pending(lang, locale):
+        if name not in pages:
+            out.append(f"{name}: no such page has a catalog")
+        elif not any(not e.msgstr for e in polib.pofile(str(pages[name]))
+                     if e.msgid and not e.obsolete):
+            out.append(f"{name}: every message is translated; remove it from "
+                       f"locale/{lang}/pending.txt")
+    return out
 
 
 def extract(root: Path, out: Path) -> Path:
@@ -333,11 +383,29 @@ def translate_notebook(nb: dict, po_path: Path) -> tuple[dict, list[str]]:
     return nb, missed
 
 
+def compile_mo(po_path: Path, mo_path: Path) -> Path:
+    """Write the ``.mo`` gettext reads from dtlib's catalog.
+
+    ``pybabel compile`` is not used: it takes any ``%`` followed by a space and a
+    letter for a %-placeholder ("20 % of the device" has "% o") and refuses the
+    translation, though dtlib's messages are ``str.format`` ones.
+    """
+    import polib
+
+    mo_path.parent.mkdir(parents=True, exist_ok=True)
+    polib.pofile(str(po_path)).save_as_mofile(str(mo_path))
+    return mo_path
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``check [PO...]``: print each problem; exit status 1 when there is one."""
+    """``check [PO...]``: print each problem; exit status 1 when there is one.
+    ``compile PO MO``: see :func:`compile_mo`."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 3 and args[0] == "compile":
+        compile_mo(Path(args[1]), Path(args[2]))
+        return 0
     if not args or args[0] != "check":
-        print("usage: python -m dtlib.exercises.catalogs check [PO...]",
+        print("usage: python -m dtlib.exercises.catalogs check [PO...] | compile PO MO",
               file=sys.stderr)
         return 2
     paths = [Path(p).resolve() for p in args[1:]] or None

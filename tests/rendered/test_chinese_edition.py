@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from dtlib.exercises import catalogs
 from cdp_pipe import Browser, find_chromium
 
 import test_rendered_book as book
@@ -46,6 +48,7 @@ PROSE_JS = r"""
             "",
     sidebar: [...document.querySelectorAll(".bd-sidebar-primary .caption-text")]
         .map(e => e.innerText.trim()),
+    pending: !!main.querySelector(".translation-pending"),
   };
 })()
 """
@@ -152,11 +155,24 @@ def test_pages_say_they_are_chinese(zh_rendered) -> None:
     assert not wrong, f"<html lang> is not zh-CN on {wrong}"
 
 
+def _is_pending(page: str) -> bool:
+    return page.removesuffix(".html") in catalogs.pending()
+
+
 def test_no_paragraph_of_prose_is_still_english(zh_rendered) -> None:
+    # A page whose translation is listed as unfinished (locale/zh_CN/pending.txt)
+    # shows its untranslated paragraphs in English, and says so (the next test).
     found = {p: [b[:120] for b in f["prose"] if still_english(b)]
-             for p, f in zh_rendered.items()}
+             for p, f in zh_rendered.items() if not _is_pending(p)}
     found = {p: v for p, v in found.items() if v}
     assert not found, book._report(found, "blocks of prose still in English")
+
+
+def test_a_page_still_being_translated_says_so_and_no_other_does(zh_rendered) -> None:
+    wrong = {p: f["pending"] for p, f in zh_rendered.items()
+             if f["pending"] != _is_pending(p)}
+    assert not wrong, ("pages whose notice 'translation not finished' disagrees with "
+                       f"locale/zh_CN/pending.txt (True: shown): {wrong}")
 
 
 def test_no_mojibake(zh_rendered) -> None:

@@ -222,7 +222,9 @@ def test_calculator_shows_dtlib_numbers(browser: Browser, stem: str, lang: str) 
     labels = browser.evaluate(LABELS_JS % {"id": repr(ident)})
     cjk = [bool(re.search(r"[\u4e00-\u9fff]", t)) for t in labels
            if t and t != "GB"]  # a unit, the same in both
-    assert labels and (all(cjk) if lang == "zh_CN" else not any(cjk)), labels
+    wrong = [t for t, c in zip([t for t in labels if t and t != "GB"], cjk)
+             if c != (lang == "zh_CN")]
+    assert labels and not wrong, f"labels not in the page's language: {wrong}"
 
     left, top, right, bottom, ratio = browser.evaluate(RECT_JS % {"id": repr(ident)})
     shot = browser.capture()

@@ -146,11 +146,13 @@ def memory_calculator() -> LiveCalculator:
                    f'</span>{both(_PART_NAMES[p])}</td><td data-out="{p}"></td></tr>'
                    for p, c in zip(PARTS, _COLORS))
     bar = "".join(f'<span data-part="{p}"></span>' for p in PARTS)
+    # (babel reads no message inside an f-string's braces: name them first)
+    per_device, total = both(N_("per device")), both(N_("total"))
     outputs = (f'<div class="dtlib-bar">{bar}<div class="dtlib-limit"></div></div>'
                f"<p><small>{both(_BAR_NOTE)}</small></p>"
-               f'<table class="table"><thead><tr><th>{both(N_("per device"))}</th>'
+               f'<table class="table"><thead><tr><th>{per_device}</th>'
                f'<th>GB</th></tr></thead><tbody>{rows}<tr><td><b>'
-               f'{both(N_("total"))}</b></td>'
+               f'{total}</b></td>'
                '<td data-out="total"></td></tr></tbody></table>'
                '<p data-out="verdict"></p>')
     script = _SCRIPT % {"parts": json.dumps(PARTS), "colors": json.dumps(_COLORS),
