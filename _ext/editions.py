@@ -105,7 +105,84 @@ def _translate_alt_texts(app: Any, doctree: Any, docname: str) -> None:
             image["alt"] = catalog.gettext(alt)
 
 
+# Sphinx parses each translated message of a page as a small document of its own;
+# myst-nb gives that one a fresh notebook renderer with no glue data, and has dropped
+# the page's renderer by then, so a glue role in a translation ({glue:text}`x`) would
+# find nothing. The page's renderer is kept when the page is parsed and its messages'
+# glue roles read it while Sphinx's Locale transform translates the page.
+_RENDERERS: dict[str, Any] = {}   # docname -> the renderer of its notebook
+_PARSING: list[str | None] = []   # the page being parsed (None: a message of one)
+_PAGE_RENDERER: list[Any] = []    # the renderer of the page being translated
+
+
+def _keep_page_renderer(parse: Any) -> Any:
+    def wrapped(self: Any, inputstring: str, document: Any) -> Any:
+        message = str(document.get("source", "")).endswith("<translated>")
+        _PARSING.append(None if message else document.settings.env.docname)
+        try:
+            return parse(self, inputstring, document)
+        finally:
+            _PARSING.pop()
+    wrapped.dtlib_wrapped = True
+    return wrapped
+
+
+def _record_renderer(load: Any) -> Any:
+    def wrapped(name: str) -> Any:
+        cls = load(name)
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            made = cls(*args, **kwargs)
+            if _PARSING and _PARSING[-1]:
+                _RENDERERS[_PARSING[-1]] = made
+            return made
+        return make
+    wrapped.dtlib_wrapped = True
+    return wrapped
+
+
+def _with_page_renderer(apply: Any) -> Any:
+    def wrapped(self: Any, **kwargs: Any) -> Any:
+        _PAGE_RENDERER.append(_RENDERERS.pop(self.env.docname, None))
+        try:
+            return apply(self, **kwargs)
+        finally:
+            _PAGE_RENDERER.pop()
+    wrapped.dtlib_wrapped = True
+    return wrapped
+
+
+def _glue_from_page(retrieve: Any) -> Any:
+    def wrapped(document: Any, key: str) -> Any:
+        page = _PAGE_RENDERER[-1] if _PAGE_RENDERER else None
+        if page is None:
+            return retrieve(document, key)
+        own = document.attributes.get("nb_renderer")   # restored: it is not pickled
+        document["nb_renderer"] = page
+        try:
+            return retrieve(document, key)
+        finally:
+            document["nb_renderer"] = own
+    wrapped.dtlib_wrapped = True
+    return wrapped
+
+
+def _glue_in_translations() -> None:
+    from myst_nb import sphinx_
+    from myst_nb.ext.glue import directives, roles
+    from sphinx.transforms import i18n
+
+    for owner, name, wrap in ((sphinx_.Parser, "parse", _keep_page_renderer),
+                              (sphinx_, "load_renderer", _record_renderer),
+                              (i18n.Locale, "apply", _with_page_renderer),
+                              (roles, "retrieve_glue_data", _glue_from_page),
+                              (directives, "retrieve_glue_data", _glue_from_page)):
+        if not getattr(getattr(owner, name), "dtlib_wrapped", False):
+            setattr(owner, name, wrap(getattr(owner, name)))
+
+
 def setup(app: Any) -> dict:
+    _glue_in_translations()
     app.connect("html-page-context", _add_link)
     app.connect("doctree-read", _alt_texts_as_messages)
     app.connect("doctree-resolved", _translate_alt_texts)
