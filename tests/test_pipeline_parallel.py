@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib.chapters.ch06_pipeline_parallel.runs import (VARIANTS, LR, OPTIMIZER, PP_GPT,
+from dtlib.chapters.ch06_pipeline_parallel.runs import (LR, OPTIMIZER, PP_GPT,
+                                                       SPLIT_VARIANTS, VARIANTS,
                                                        compare_all, lm_loss, reference,
                                                        train_pipeline)
 from dtlib.chapters.ch06_pipeline_parallel.seed import (UnmaskedSelfAttention,
@@ -31,6 +32,8 @@ from dtlib.pipeline_parallel import parallelism
 from dtlib.pipeline_parallel.schedules import (bubble_fraction, idle_fractions,
                                                in_flight_peak, pipeline_step,
                                                schedule_order, simulate)
+from dtlib.pipeline_parallel.parallelism import PipelineParallel
+from dtlib.pipeline_parallel.zero_bubble import gpt_w_bytes
 from dtlib.pipeline_parallel.split import (balance, balanced_layers, gpt_layer_costs,
                                            layers_from_split_points, split_gpt,
                                            stage_costs)
@@ -153,8 +156,8 @@ def all_runs(packed_refs: bytes) -> dict:
     ws = dist.get_world_size()
     m = MICRO[ws]
     out = {"main": compare_all(PP_GPT, batch=2 * m, n_microbatches=m, steps=STEPS,
-                               ref=refs["main"]),
-           "frozen": {s: _frozen_first_stage(s) for s in ("gpipe", "1f1b")}}
+                               variants=VARIANTS + SPLIT_VARIANTS, ref=refs["main"]),
+           "frozen": {s: _frozen_first_stage(s) for s in ("gpipe", "1f1b", "zb-h1")}}
     if ws == 2:
         out["drop"] = train_pipeline(PP_GPT, 2 * m, m, 1, loss=DropFirstMicroBatch(m))
         out["no_mean"] = train_pipeline(PP_GPT, 2 * m, m, 1,
@@ -203,7 +206,7 @@ def _check(res: dict, ref, batch: int, steps: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + SPLIT_VARIANTS)
 def test_matches_single_process(launched, world_size, variant):
     refs, per_rank = launched(world_size)
     m = MICRO[world_size]
@@ -283,9 +286,33 @@ def test_measured_in_flight(launched, world_size):
     assert per_rank[0]["main"]["ours-1f1b"]["peak_in_flight"] == world_size < m
     for s, r in enumerate(per_rank):
         assert r["main"]["ours-1f1b"]["peak_in_flight"] == world_size - s
+        # ZB-H1: every stage holds p micro-batches (W needs their activations)
+        assert r["main"]["ours-zb-h1"]["peak_in_flight"] == world_size
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_backward_is_the_fused_one_on_ranks(launched, world_size):
+    """ZB-H1 runs each W in micro-batch order, as 1F1B runs its backwards: the same
+    kernels on the same operands, added in the same order, so the parameters after
+    every step are bitwise 1F1B's; and each stage held, for its deferred W's, the
+    output gradients the chapter counts (gpt_w_bytes) times the W's held at once."""
+    m = MICRO[world_size]
+    per_rank = launched(world_size)[1]
+    for s, r in enumerate(per_rank):
+        zb = r["main"]["ours-zb-h1"]
+        assert zb["vs_1f1b"] == 0.0, (s, zb["vs_1f1b"])
+        order = schedule_order("zb-h1", s, world_size, m)
+        held = peak = 0
+        for kind, _ in order:
+            held += {"B": 1, "W": -1}.get(kind, 0)
+            peak = max(peak, held)
+        per_mb = gpt_w_bytes(CFG.hidden, CFG.seq_len, 2, CFG.n_layers // world_size,
+                             first=s == 0, last=s == world_size - 1,
+                             vocab=CFG.vocab_size)
+        assert zb["w_bytes_peak"] == peak * per_mb, (s, zb["w_bytes_peak"], peak)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_frozen_first_stage(launched, schedule, world_size):
     torch.manual_seed(0)
@@ -311,6 +338,10 @@ def test_factory_rejects_bad_arguments():
         parallelism("1f1b", 2, variant="deepspeed")
     with pytest.raises(ValueError, match="micro_batch"):
         parallelism("gpipe", 2, variant="tracer")
+    with pytest.raises(ValueError, match="schedule='zb-h1' splits"):
+        PipelineParallel("zb-h1", 2, wrap_stage=lambda st: st)
+    with pytest.raises(ValueError, match="schedule='zb-h1' with variant='torch'"):
+        parallelism("zb-h1", 2, variant="torch")
 
 
 def test_in_flight_bound_and_orders():

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from dtlib.models.gpt import GPT
 from dtlib.models.run import (Batch, Parallelism, clip_by_global_norm, gpt_loss,
                               tensors_by_name)
-from dtlib.pipeline_parallel.schedules import SCHEDULES, StepResult, pipeline_step
+from dtlib.pipeline_parallel.schedules import (SCHEDULES, SPLIT_SCHEDULES, StepResult,
+                                               pipeline_step)
 from dtlib.pipeline_parallel.split import RankStages, split_gpt
 from dtlib.runtime.dist import world
 
@@ -130,6 +131,12 @@ class PipelineParallel(Parallelism):
             raise ValueError(f"chunks={chunks} with schedule={schedule!r}: a rank "
                              f"holds exactly {per_rank} stage(s) in that schedule")
         self.chunks = chunks
+        if schedule in SPLIT_SCHEDULES and (prepare is not None
+                                            or wrap_stage is not None):
+            raise ValueError(
+                f"schedule={schedule!r} splits each backward into B and W by module "
+                "calls of a plain stage; with prepare= or wrap_stage= (tensor "
+                "parallel, FSDP) allowed: 'gpipe' or '1f1b'")
         if variant == "tracer" and (micro_batch is None or micro_batch < 1):
             raise ValueError(f"variant='tracer' needs micro_batch >= 1 (rows of its "
                              f"example micro-batch), not {micro_batch!r}")
@@ -357,7 +364,8 @@ def parallelism(schedule: str = "1f1b", n_micro: int = 1, *, variant: str = "our
     """Pipeline parallelism for :func:`~dtlib.models.run.run_steps`.
 
     Args:
-        schedule: ``"gpipe"`` or ``"1f1b"``; with ``variant="torch"`` also torch's
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"`` (ours only: the backward
+            split into B and W, Chapter 6); with ``variant="torch"`` also torch's
             multi-stage schedules (:data:`TORCH_SCHEDULES`): ``"interleaved-1f1b"``,
             ``"interleaved-zero-bubble"`` (``chunks`` stages per rank, round-robin),
             ``"zb-v"`` and ``"dualpipev"`` (two stages per rank in a V).

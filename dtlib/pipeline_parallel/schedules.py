@@ -16,7 +16,15 @@ point-to-point messages.
 Both have the bubble fraction ``(p - 1) / (m + p - 1)`` of the step
 (:func:`bubble_fraction`).
 
-Taught in: Chapter 6, "GPipe" and "1F1B".
+- ZB-H1 (Qi et al., 2024): 1F1B with each backward split into ``("B", i)``, the input
+  gradient the previous stage waits for, and ``("W", i)``, the weight gradients
+  (:mod:`dtlib.pipeline_parallel.zero_bubble`). Stage s runs 1F1B's warm-up, then
+  ``F, B`` pairs with its first ``s`` W's held back, so the B's travel up the
+  pipeline without waiting for a W; the held-back W's fill the drain. Every stage then
+  holds at most ``p`` micro-batches (1F1B's peak, reached on stage 0 only in 1F1B),
+  and the bubble shrinks to ``(p - 1)(t_F + t_B - t_W)`` (:func:`zb_h1_bubble`).
+
+Taught in: Chapter 6, "GPipe", "1F1B" and "Splitting the backward".
 """
 
 from __future__ import annotations
@@ -29,13 +37,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dtlib.pipeline_parallel.zero_bubble import (DeferredW, backward_input,
+                                                 backward_weight, weight_sites)
 from dtlib.runtime.dist import sync, world
 
-__all__ = ["SCHEDULES", "Event", "StepResult", "schedule_order", "bubble_fraction",
-           "simulate", "idle_fractions", "in_flight_peak", "P2P", "p2p_plan",
-           "pipeline_step"]
+__all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "Event", "StepResult", "schedule_order",
+           "bubble_fraction", "zb_h1_bubble", "simulate", "idle_fractions",
+           "in_flight_peak", "P2P", "p2p_plan", "pipeline_step"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+#: the schedules whose backward is split into B (input gradient) and W (weights)
+SPLIT_SCHEDULES = ("zb-h1",)
 Action = tuple[str, int]
 
 
@@ -52,14 +64,15 @@ def schedule_order(schedule: str, stage: int, n_stages: int,
     """The actions stage ``stage`` runs, in order, under ``schedule``.
 
     Args:
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"``.
         stage: this stage's index ``s`` (0 = first).
         n_stages: pipeline depth ``p``.
         n_microbatches: micro-batches per step ``m``.
     Returns:
-        A list of ``("F", i)`` / ``("B", i)`` with every micro-batch once each.
+        A list of ``("F", i)`` / ``("B", i)`` (and for ``"zb-h1"`` ``("W", i)``)
+        with every micro-batch once each.
 
-    Taught in: Chapter 6, "GPipe" and "1F1B".
+    Taught in: Chapter 6, "GPipe", "1F1B" and "Splitting the backward".
     """
     _check(n_stages, n_microbatches, stage)
     m = n_microbatches
@@ -72,6 +85,20 @@ def schedule_order(schedule: str, stage: int, n_stages: int,
             order += [("F", warmup + k), ("B", k)]
         order += [("B", i) for i in range(m - warmup, m)]  # cool-down
         return order
+    if schedule == "zb-h1":
+        warmup = min(n_stages - stage - 1, m)
+        order = [("F", i) for i in range(warmup)]
+        w = 0  # the next W to run
+        for k in range(m - warmup):  # steady state: F, B, and a W held back s slots
+            order += [("F", warmup + k), ("B", k)]
+            if k >= stage:
+                order.append(("W", w))
+                w += 1
+        for k in range(m - warmup, m):  # cool-down: each B followed by a held-back W
+            order.append(("B", k))
+            order.append(("W", w))
+            w += 1
+        return order + [("W", i) for i in range(w, m)]  # the rest fill the drain
     raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
 
 
@@ -88,9 +115,34 @@ def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
     return (n_stages - 1) / (n_microbatches + n_stages - 1)
 
 
+def zb_h1_bubble(n_stages: int, n_microbatches: int, t_fwd: float = 1.0,
+                 t_bwd: float = 1.0, t_w: float = 1.0) -> float:
+    """Idle fraction of a ZB-H1 step (Qi et al., 2024):
+    ``(p - 1)(t_F + t_B - t_W) / (m (t_F + t_B + t_W) + (p - 1)(t_F + t_B - t_W))``,
+    with ``t_B`` the input-gradient half of a backward and ``t_W`` the weight half.
+
+    Each stage is busy ``m (t_F + t_B + t_W)``; the held-back W's fill ``t_W`` of each
+    of 1F1B's ``p - 1`` idle slots. The simulation (:func:`simulate`) gives exactly
+    this when ``m >= p`` and ``t_W <= min(t_F, t_B)`` (the paper's setting); a longer
+    W, or fewer micro-batches than stages, leaves more idle than the formula says.
+
+    Taught in: Chapter 6, "Splitting the backward".
+    """
+    _check(n_stages, n_microbatches)
+    for name, v in (("t_fwd", t_fwd), ("t_bwd", t_bwd), ("t_w", t_w)):
+        if not v > 0:
+            raise ValueError(f"{name}={v!r} must be positive")
+    if t_w > t_fwd + t_bwd:
+        raise ValueError(f"t_w={t_w!r} is longer than t_fwd + t_bwd = "
+                         f"{t_fwd + t_bwd!r}: the formula holds for t_w <= min(t_fwd, "
+                         "t_bwd); simulate() gives the step for any times")
+    idle = (n_stages - 1) * (t_fwd + t_bwd - t_w)
+    return idle / (n_microbatches * (t_fwd + t_bwd + t_w) + idle)
+
+
 @dataclass(frozen=True)
 class Event:
-    """One action on one stage: ``kind`` "F" or "B", micro-batch ``mb``, seconds
+    """One action on one stage: ``kind`` "F", "B" or "W", micro-batch ``mb``, seconds
     ``start`` and ``end`` from the start of the step (ideal units in
     :func:`simulate`)."""
 
@@ -102,9 +154,11 @@ class Event:
 
 
 def simulate(schedule: str, n_stages: int, n_microbatches: int, t_fwd: float = 1.0,
-             t_bwd: float = 2.0) -> list[Event]:
+             t_bwd: float = 2.0, t_w: float = 0.0) -> list[Event]:
     """Play ``schedule`` on an ideal clock: each forward takes ``t_fwd``, each backward
-    ``t_bwd``, messages are free, a stage starts an action as soon as its input exists.
+    ``t_bwd + t_w``, messages are free, a stage starts an action as soon as its input
+    exists. In a split schedule (``"zb-h1"``) a B takes ``t_bwd`` (the input
+    gradient) and its W ``t_w`` (the weight gradients), after the B.
 
     Returns:
         Every stage's events (a deadlocking order raises ``RuntimeError``).
@@ -114,6 +168,8 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, t_fwd: float = 1
     _check(n_stages, n_microbatches)
     orders = [schedule_order(schedule, s, n_stages, n_microbatches)
               for s in range(n_stages)]
+    split = schedule in SPLIT_SCHEDULES
+    length = {"F": t_fwd, "B": t_bwd if split else t_bwd + t_w, "W": t_w}
     done: dict[tuple[int, str, int], float] = {}
     free = [0.0] * n_stages
     pos = [0] * n_stages
@@ -125,12 +181,14 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, t_fwd: float = 1
                 kind, i = orders[s][pos[s]]
                 if kind == "F":
                     dep = (s - 1, "F", i) if s > 0 else None
+                elif kind == "W":
+                    dep = (s, "B", i)
                 else:
                     dep = (s + 1, "B", i) if s < n_stages - 1 else (s, "F", i)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[s], done[dep] if dep else 0.0)
-                end = start + (t_fwd if kind == "F" else t_bwd)
+                end = start + length[kind]
                 done[s, kind, i] = free[s] = end
                 events.append(Event(s, kind, i, start, end))
                 pos[s] += 1
@@ -153,12 +211,17 @@ def idle_fractions(events: list[Event], n_stages: int) -> list[float]:
 
 def in_flight_peak(order: list[Action]) -> int:
     """Most micro-batches whose forward has run and backward has not, along ``order``:
-    the number of micro-batches' activations the stage must keep at once.
+    the number of micro-batches' activations the stage must keep at once. In a split
+    schedule a micro-batch is held until its W (W needs the saved activations).
 
-    Taught in: Chapter 6, "Activation memory"."""
+    Taught in: Chapter 6, "Activation memory" and "Splitting the backward"."""
+    split = any(kind == "W" for kind, _ in order)
     live = peak = 0
     for kind, _ in order:
-        live += 1 if kind == "F" else -1
+        if kind == "F":
+            live += 1
+        elif kind == "W" or not split:
+            live -= 1
         peak = max(peak, live)
     return peak
 
@@ -207,7 +270,10 @@ def p2p_plan(schedule: str, stage: int, n_stages: int,
     plan: list[tuple[tuple[P2P, ...], Action | None]] = []
     pending: tuple[P2P, ...] = ()  # the previous action's outgoing message
     for kind, i in schedule_order(schedule, stage, n_stages, n_microbatches):
-        if kind == "F":
+        if kind == "W":  # weight gradients: no message; a pending send flies over it
+            plan.append((pending, (kind, i)))
+            pending = ()
+        elif kind == "F":
             recv = () if first else (P2P("recv", "act", i, stage - 1),)
             plan.append((pending + recv, (kind, i)))
             pending = () if last else (P2P("send", "act", i, stage + 1),)
@@ -239,12 +305,16 @@ class StepResult:
 
     loss: the step's loss (mean over micro-batches), the same on every stage.
     events: this stage's measured forward/backward intervals (seconds from a barrier).
-    peak_in_flight: most micro-batches held at once (forward done, backward not).
+    peak_in_flight: most micro-batches held at once (forward done, backward not; in a
+    split schedule, W not).
+    w_bytes_peak: in a split schedule, the most bytes of output gradients held at once
+    for deferred W's (:attr:`~dtlib.pipeline_parallel.zero_bubble.DeferredW.nbytes`).
     """
 
     loss: float
     events: list[Event] = field(default_factory=list)
     peak_in_flight: int = 0
+    w_bytes_peak: int = 0
 
 
 def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
@@ -273,14 +343,15 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
         act_shape: shape of one micro-batch's activation between stages, e.g.
             ``(micro_batch, seq, hidden)``: receivers allocate it in advance.
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"`` (the backward split into
+            B and W, :mod:`~dtlib.pipeline_parallel.zero_bubble`).
         group: the pipeline's process group (default: the whole world, or a lone
             process when none is initialised).
         act_dtype: dtype of the activations sent between stages.
     Returns:
         A :class:`StepResult`.
 
-    Taught in: Chapter 6, "GPipe" and "1F1B".
+    Taught in: Chapter 6, "GPipe", "1F1B" and "Splitting the backward".
     """
     if dist.is_available() and dist.is_initialized():
         rank, p = dist.get_rank(group), dist.get_world_size(group)
@@ -305,7 +376,10 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
         return dist.get_global_rank(group, s) if group is not None else s
 
     device = world().device
-    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    split = schedule in SPLIT_SCHEDULES
+    held: dict[int, tuple[torch.Tensor, torch.Tensor, list]] = {}
+    deferred: dict[int, DeferredW] = {}
+    w_bytes = w_peak = 0
     outgoing: dict[tuple[str, int], torch.Tensor] = {}  # sent by the next batch
     events: list[Event] = []
     live = peak = 0
@@ -341,7 +415,11 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
                 x = incoming["act", i].requires_grad_(True)
             sync(device)
             start = time.perf_counter() - t0
-            out = stage_module(x)
+            if split:
+                with weight_sites(stage_module) as sites:
+                    out = stage_module(x)
+            else:
+                sites, out = [], stage_module(x)
             if last:
                 out = loss_fn(out, y_mbs[i]) / m
                 total_loss += out.detach()
@@ -349,27 +427,43 @@ def pipeline_step(stage_module: nn.Module, inputs: torch.Tensor | None,
             events.append(Event(rank, "F", i, start, time.perf_counter() - t0))
             if not last:
                 outgoing["act", i] = out.detach()
-            held[i] = (x, out)
+            held[i] = (x, out, sites)
             live += 1
             peak = max(peak, live)
+        elif kind == "W":  # the weight gradients B left for later
+            sync(device)
+            start = time.perf_counter() - t0
+            w_bytes -= deferred[i].nbytes
+            backward_weight(deferred.pop(i))
+            sync(device)
+            events.append(Event(rank, "W", i, start, time.perf_counter() - t0))
+            live -= 1
         else:
-            x, out = held.pop(i)
+            x, out, sites = held.pop(i)
             grad = None if last else incoming["grad", i]
             sync(device)
             start = time.perf_counter() - t0
-            if out.requires_grad:  # a frozen first stage's output needs none
+            x_grad = None
+            if split:  # B: the input's gradient now, the weights' at W
+                x_grad, deferred[i] = backward_input(out, grad, None if first else x,
+                                                     sites)
+                w_bytes += deferred[i].nbytes
+                w_peak = max(w_peak, w_bytes)
+            elif out.requires_grad:  # a frozen first stage's output needs none
                 out.backward(grad)
+                x_grad = None if first else x.grad
             sync(device)
             events.append(Event(rank, "B", i, start, time.perf_counter() - t0))
             if not first:
                 # no gradient reached x (nothing after it trains): send zeros
-                outgoing["grad", i] = x.grad if x.grad is not None \
+                outgoing["grad", i] = x_grad if x_grad is not None \
                     else torch.zeros_like(x)
-            live -= 1
+            if not split:
+                live -= 1
         for work in sending:  # in flight while this action computed
             work.wait()
     for work in sending:
         work.wait()  # the last batch's sends, at the end of the step
     if p > 1:  # every stage reports the loss the last one computed
         dist.broadcast(total_loss, src=peer(p - 1), group=group)
-    return StepResult(total_loss.item(), events, peak)
+    return StepResult(total_loss.item(), events, peak, w_peak)

@@ -28,7 +28,8 @@ from dtlib.pipeline_parallel.schedules import idle_fractions, pipeline_step
 from dtlib.pipeline_parallel.split import split_gpt
 from dtlib.runtime.dist import world
 
-__all__ = ["PP_GPT", "LR", "OPTIMIZER", "VARIANTS", "lm_loss", "train_pipeline",
+__all__ = ["PP_GPT", "LR", "OPTIMIZER", "VARIANTS", "SPLIT_VARIANTS",
+           "lm_loss", "train_pipeline",
            "reference", "compare_all", "timeline_rank", "stage_idle"]
 
 # The chapter's GPT, as keyword arguments (ranks rebuild it from these): untied (see
@@ -44,6 +45,8 @@ OPTIMIZER: dict[str, Any] = {"optimizer_class": torch.optim.SGD, "lr": LR,
 # "variant-schedule": "ours" the teaching schedules, "torch" our stages in
 # PipelineStage, "tracer" the stages pipeline() cuts.
 VARIANTS = ("ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b", "tracer-gpipe")
+#: the teaching ZB-H1 (backward split into B and W), proven beside them by the tests
+SPLIT_VARIANTS = ("ours-zb-h1",)
 
 
 def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
@@ -83,6 +86,7 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
            "names": plan.stage_names[plan.rank]}
     if par.last_step is not None:
         out["peak_in_flight"] = par.last_step.peak_in_flight
+        out["w_bytes_peak"] = par.last_step.w_bytes_peak
         out["events"] = par.last_step.events
     return out
 
@@ -141,6 +145,10 @@ def compare_all(gpt: dict = PP_GPT, batch: int = 8, n_microbatches: int = 4,
             # library vs teaching schedule of the same kind (None if not run first)
             "vs_teaching": _max_diff(r["params"], teaching[schedule], names)
             if schedule in teaching and kind != "ours" else None,
+            # the split backward against the fused one in the same order (1F1B's)
+            "vs_1f1b": _max_diff(r["params"], teaching["1f1b"], names)
+            if schedule == "zb-h1" and "1f1b" in teaching else None,
+            "w_bytes_peak": r.get("w_bytes_peak"),
         }
         if kind == "ours":
             teaching[schedule] = r["params"]
