@@ -181,9 +181,33 @@ def _glue_in_translations() -> None:
             setattr(owner, name, wrap(getattr(owner, name)))
 
 
+def _translate_toctree_captions(app: Any, doctree: Any) -> None:
+    """In an edition of another language, the table of contents' part captions from
+    the root page's catalog: the toctrees _toc.yml inserts are added after Sphinx's
+    Locale transform has run, so it never sees their captions."""
+    from sphinx import addnodes
+    from sphinx.locale import init as init_locale
+    from sphinx.util.i18n import docname_to_domain
+
+    if not app.config.language or app.config.language == "en":
+        return
+    trees = [t for t in doctree.findall(addnodes.toctree) if t.get("caption")]
+    if not trees:
+        return
+    domain = docname_to_domain(app.env.docname, app.config.gettext_compact)
+    catalog, found = init_locale(list(app.config.locale_dirs), app.config.language,
+                                 domain)
+    if not found:
+        return
+    for tree in trees:
+        tree["caption"] = catalog.gettext(tree["caption"])
+
+
 def setup(app: Any) -> dict:
     _glue_in_translations()
     app.connect("html-page-context", _add_link)
     app.connect("doctree-read", _alt_texts_as_messages)
+    # before Sphinx's toctree collector (priority 500) records the captions
+    app.connect("doctree-read", _translate_toctree_captions, priority=400)
     app.connect("doctree-resolved", _translate_alt_texts)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
