@@ -152,15 +152,30 @@ def _with_page_renderer(apply: Any) -> Any:
     return wrapped
 
 
+def _in_language(retrieve: Any, document: Any, key: str) -> Any:
+    """The value glued for this edition's language (``key__zh_CN``, glued by
+    dtlib.runtime.i18n.glue_in_each_language) where there is one, else ``key``'s."""
+    from myst_nb.ext.glue.utils import RetrievalError
+
+    env = getattr(document.settings, "env", None)
+    lang = getattr(getattr(env, "config", None), "language", None) or "en"
+    if lang != "en":
+        try:
+            return retrieve(document, f"{key}__{lang}")
+        except RetrievalError:
+            pass
+    return retrieve(document, key)
+
+
 def _glue_from_page(retrieve: Any) -> Any:
     def wrapped(document: Any, key: str) -> Any:
         page = _PAGE_RENDERER[-1] if _PAGE_RENDERER else None
         if page is None:
-            return retrieve(document, key)
+            return _in_language(retrieve, document, key)
         own = document.attributes.get("nb_renderer")   # restored: it is not pickled
         document["nb_renderer"] = page
         try:
-            return retrieve(document, key)
+            return _in_language(retrieve, document, key)
         finally:
             document["nb_renderer"] = own
     wrapped.dtlib_wrapped = True

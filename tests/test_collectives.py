@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -204,6 +205,54 @@ def test_cost_model() -> None:
                                                                     rel_tol=1e-6)
     cross = comm_cost.latency_bandwidth_crossover("all_reduce", 4, alpha, beta)
     assert math.isclose(6 * alpha, 1.5 * cross * beta, rel_tol=1e-9)
+
+
+
+def _fit_records(alpha: float, beta: float, noise: float = 0.0) -> tuple[list, list]:
+    """The measured and fit records bench.collectives would write for data that
+    follow alpha and beta exactly (noise: every other time multiplied by 1 + noise)."""
+    from dtlib.bench import collectives as bench
+
+    records = [{"op": "all_reduce", "variant": v, "bytes": 4 * 2 ** k, "world_size": 4,
+                "time_s": comm_cost.collective_time("ring", "all_reduce", 4 * 2 ** k, 4,
+                                                    alpha, beta) * (1 + noise * (k % 2)),
+                "busbw_GBps": 1.0}
+               for v in ("torch", "ring") for k in range(8, 24)]
+    return records, bench.fits(records)
+
+
+def test_the_fit_paragraph_is_written_in_each_language() -> None:
+    """Chapter 2 glues its fit paragraph once per language; the Chinese one is Chinese
+    whether the fit is trusted or not (its reasons too), with the same numbers."""
+    from dtlib.chapters.ch02_collectives import figures
+    from dtlib.runtime.i18n import glue_in_each_language, speaking
+
+    for noise, english in ((0.0, "The fit gives"), (3.0, "cannot be trusted")):
+        measured, fits = _fit_records(2e-5, 3e-10, noise)
+        glued: dict = {}
+        glue_in_each_language(lambda k, v, display: glued.__setitem__(k, v), "x",
+                              lambda: figures.fit_summary(fits, measured))
+        assert set(glued) == {"x", "x__zh_CN"}
+        assert english in glued["x"] and not re.search("[\u4e00-\u9fff]", glued["x"])
+        zh = glued["x__zh_CN"]
+        assert "拟合" in zh and english not in zh
+        assert sorted(re.findall(r"\d+", glued["x"])) == sorted(re.findall(r"\d+", zh))
+        if noise:  # the reason is translated, not the English one of the records
+            assert fits[0]["why"].split(" ")[0] in glued["x"]
+            assert "中位数" in zh
+    with speaking("zh_CN"):  # the language a run had does not leak into the records
+        assert "拟合" in figures.fit_summary(fits, measured)
+    # A learner copy shows its own language's value, and the English where it has none.
+    from dtlib.exercises import lab
+
+    lab.GLUED.clear()
+    lab.GLUED.update(glued, y="only English")
+    with speaking("zh_CN"):
+        assert str(lab.glued("x")) == glued["x__zh_CN"]
+        assert str(lab.glued("y")) == "only English"
+    with speaking("en"):
+        assert str(lab.glued("x")) == glued["x"]
+    lab.GLUED.clear()
 
 
 GOOD_ALL_GATHER = '''

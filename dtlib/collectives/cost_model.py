@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from dtlib.runtime.i18n import _
+
 #: (alpha coefficient, beta coefficient, gamma coefficient) as functions of n.
 _TERMS = {
     ("ring", "reduce_scatter"): lambda n: (n - 1, (n - 1) / n, (n - 1) / n),
@@ -183,21 +185,21 @@ def fit_distrust(records: list[dict], op: str, world_size: int, alpha: float,
     Taught in: Chapter 2, "The cost model against measurement".
     """
     if beta <= 0:
-        return ("the time did not grow with the message size, so no bandwidth term "
-                "could be fitted")
+        return _("the time did not grow with the message size, so no bandwidth term "
+                 "could be fitted")
     if alpha <= 0:
-        return "the smallest messages showed no latency term"
+        return _("the smallest messages showed no latency term")
     errors = sorted(abs(collective_time("ring", op, r["bytes"], world_size,
                                                   alpha, beta) - r["time_s"])
                     / r["time_s"] for r in records)
     median = errors[len(errors) // 2]
     if median > max_error:
-        return (f"the line misses the measured times by {median:.0%} (median): the "
-                "machine was too noisy for a fit")
+        return _("the line misses the measured times by {median:.0%} (median): the "
+                 "machine was too noisy for a fit").format(median=median)
     cross = latency_bandwidth_crossover(op, world_size, alpha, beta)
     largest = max(r["bytes"] for r in records)
     if largest < 2 * cross:
-        return (f"the largest message ({largest / 2**20:.0f} MiB) is below twice the "
-                f"fitted crossover ({cross / 2**20:.1f} MiB): the bandwidth-bound "
-                "regime was not reached")
+        return _("the largest message ({largest:.0f} MiB) is below twice the fitted "
+                 "crossover ({cross:.1f} MiB): the bandwidth-bound regime was not "
+                 "reached").format(largest=largest / 2**20, cross=cross / 2**20)
     return None

@@ -79,6 +79,9 @@ def glued(name: str, fmt: str = "", where: str = "run the cells above") -> Shown
     Returns:
         The text to show; :func:`placeholder` when the computing cell has not run yet.
     """
+    from dtlib.runtime.i18n import glue_key, language
+
+    name = next((k for k in (glue_key(name, language()), name) if k in GLUED), name)
     if name not in GLUED:
         return placeholder(where)
     value = GLUED[name]

@@ -18,7 +18,7 @@ import functools
 import gettext
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 DOMAIN = "dtlib"
 LOCALE_DIR = Path(__file__).resolve().parents[1] / "locale"
@@ -102,3 +102,26 @@ def N_(message: str) -> str:
 def ngettext(singular: str, plural: str, n: int) -> str:
     """The singular or plural of a message for ``n``, in the current language."""
     return _translations(language()).ngettext(singular, plural, n)
+
+
+def glue_key(name: str, lang: str) -> str:
+    """The name a value glued as ``name`` has in ``lang``'s edition: ``name`` itself in
+    English, ``name__zh_CN`` in Chinese. The Chinese build (and a Chinese learner copy)
+    shows that one where it exists, and ``name`` where it does not."""
+    return name if lang == "en" else f"{name}__{lang}"
+
+
+def glue_in_each_language(glue: Callable[..., Any], name: str,
+                          make: Callable[[], Any]) -> None:
+    """Glue what ``make()`` returns once per language, each under :func:`glue_key`:
+    a glued sentence (or word) that dtlib writes reads in each edition's language,
+    from the one execution both editions share.
+
+    Args:
+        glue: myst-nb's ``glue`` (or a learner copy's), called with ``display=False``.
+        name: the name the page's prose uses.
+        make: builds the value; it runs once per language, inside :func:`speaking`.
+    """
+    for lang in LANGUAGES:
+        with speaking(lang):
+            glue(glue_key(name, lang), make(), display=False)

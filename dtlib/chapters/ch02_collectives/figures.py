@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from dtlib.collectives import cost_model as comm_cost
+from dtlib.runtime.i18n import _
 
 PRIMITIVES = ("broadcast", "reduce", "all_reduce", "gather", "scatter", "all_gather",
               "reduce_scatter", "all_to_all", "send/recv", "barrier")
@@ -175,6 +176,17 @@ def plot_busbw(records: list[dict], op: str = "all_reduce",
     return fig
 
 
+def _why(fit: dict, records: list[dict]) -> str:
+    """Why ``fit`` is not trusted, in the language dtlib speaks now (the fit's own
+    ``why`` was written in the language of the run that made it)."""
+    rs = [r for r in records if f"{r['op']}_fit" == fit["op"]
+          and r["variant"] == fit["variant"]]
+    beta = 1 / (fit["link_GBps"] * 1e9) if fit.get("link_GBps") else 0.0
+    why = comm_cost.fit_distrust(rs, fit["op"][:-len("_fit")], fit["world_size"],
+                                 fit["alpha_us"] / 1e6, beta) if rs else None
+    return why or fit["why"]
+
+
 def fit_summary(fits: list[dict], records: list[dict]) -> str:
     """The sentence the page prints about the alpha-beta fits: the fitted numbers when
     every fit can be trusted, otherwise what went wrong (never an inf or a nan).
@@ -183,27 +195,29 @@ def fit_summary(fits: list[dict], records: list[dict]) -> str:
         fits: the ``*_fit`` records of ``bench.collectives.run``.
         records: its measured records (``bytes``, ``busbw_GBps``).
     Returns:
-        Markdown text for one paragraph.
+        Markdown text for one paragraph, in the language dtlib speaks (the notebook
+        glues it once per language: :func:`dtlib.runtime.i18n.glue_in_each_language`).
 
     Taught in: Chapter 2, "The cost model against measurement".
     """
     by_variant = {f["variant"]: f for f in fits}
     largest = max(r["bytes"] for r in records)
-    doubts = [f"{variant}: {f['why']}" for variant, f in by_variant.items()
+    doubts = [f"{variant}: {_why(f, records)}" for variant, f in by_variant.items()
               if not f["trusted"]]
     if doubts:
-        return ("The alpha-beta fit **cannot be trusted on this run**, so the page "
-                "prints no α or 1/β (" + "; ".join(doubts) + "). The measured points "
-                "above are what this machine did; rerun the cell on an idle machine, "
-                "or the full benchmark, for a fit.")
+        return _("The alpha-beta fit **cannot be trusted on this run**, so the page "
+                 "prints no α or 1/β ({doubts}). The measured points above are what "
+                 "this machine did; rerun the cell on an idle machine, or the full "
+                 "benchmark, for a fit.").format(doubts="; ".join(doubts))
     t, r = by_variant["torch"], by_variant["ring"]
-    return (f"The fit gives α ≈ {t['alpha_us']:.0f} µs per message for gloo and "
-            f"{r['alpha_us']:.0f} µs for our ring (each of its 2(n−1) steps is a "
-            "Python-level `isend`/`irecv` pair, on four processes that share two cores "
-            "with other work), and a per-link bandwidth 1/β of "
-            f"{t['link_GBps']:.2f} and {r['link_GBps']:.2f} GB/s. Latency stops "
-            f"dominating around {r['crossover_bytes'] / 1024:.0f} KiB for the ring: "
-            "below that, bus bandwidth grows in proportion to the message size; "
-            "above it, it approaches 1/β. The largest messages, "
-            f"{largest / 2**20:.0f} MiB, are {largest / r['crossover_bytes']:.1f} "
-            "times that size.")
+    return _("The fit gives α ≈ {t_alpha:.0f} µs per message for gloo and "
+             "{r_alpha:.0f} µs for our ring (each of its 2(n−1) steps is a "
+             "Python-level `isend`/`irecv` pair, on four processes that share two "
+             "cores with other work), and a per-link bandwidth 1/β of {t_link:.2f} and "
+             "{r_link:.2f} GB/s. Latency stops dominating around {cross_kib:.0f} KiB "
+             "for the ring: below that, bus bandwidth grows in proportion to the "
+             "message size; above it, it approaches 1/β. The largest messages, "
+             "{largest_mib:.0f} MiB, are {times:.1f} times that size.").format(
+        t_alpha=t["alpha_us"], r_alpha=r["alpha_us"], t_link=t["link_GBps"],
+        r_link=r["link_GBps"], cross_kib=r["crossover_bytes"] / 1024,
+        largest_mib=largest / 2**20, times=largest / r["crossover_bytes"])
