@@ -186,6 +186,23 @@ def test_every_strategy_on_a_gpu_machine_adds_up():
         assert 0 <= t.exposed_s <= t.total_s and 0 <= t.exposed_fraction <= 1
 
 
+def test_zb_h1_fills_two_thirds_of_the_bubble_where_messages_are_free():
+    # F, B and W a third of a micro-batch's compute each: 1F1B idles (p - 1) whole
+    # micro-batches per stage, ZB-H1 (p - 1)(t_F + t_B - t_W), a third of that
+    # (Qi et al.'s formula, m >= p); the compute and the sends are the same
+    free = machine(alpha_s=0.0, beta_s_per_byte=0.0, cores=None)
+    for p, m in ((2, 4), (4, 8), (4, 4)):
+        w = Workload(MODEL, global_batch=8, n_micro=m)
+        a, z = predict("1f1b", w, free, p), predict("zb-h1", w, free, p)
+        assert close(a.compute_s, z.compute_s) and close(a.comm_s, z.comm_s)
+        mb = a.compute_s / m
+        assert close(a.bubble_s, (p - 1) * mb) and close(z.bubble_s, (p - 1) * mb / 3)
+    # with messages, each send still waits on the critical path as in 1F1B
+    slow = machine(beta_s_per_byte=1e-9, cores=None)
+    w = Workload(MODEL, global_batch=8, n_micro=4)
+    assert predict("zb-h1", w, slow, 4).total_s < predict("1f1b", w, slow, 4).total_s
+
+
 def test_bad_input_names_the_argument():
     w = Workload(MODEL, global_batch=4)
     with pytest.raises(ValueError, match="strategy="):
@@ -219,7 +236,8 @@ def test_control_collectives_are_counted_where_the_book_issues_them():
              "zero-3": 2 * ar + 3 * units * ag,
              "fsdp": ar,  # torch's: the loss only
              "tp": 0.0,  # every rank holds the loss: nothing to reduce
-             "gpipe": 2 * ar, "1f1b": 2 * ar}  # the barrier, the loss broadcast
+             # the barrier, the loss broadcast
+             "gpipe": 2 * ar, "1f1b": 2 * ar, "zb-h1": 2 * ar}
     assert set(extra) == set(MODELLED)
     for name, seconds in extra.items():
         a, b = predict(name, plain, m, 4), predict(name, ours, m, 4)
@@ -476,6 +494,8 @@ def test_every_strategy_traces_its_collectives_in_order(traces):
         w = 1 - rank
         assert calls["1f1b"] == (["barrier"] + [first] * w + [first, last] * (m - w)
                                  + [last] * w + ["broadcast"])
+        # ZB-H1 sends what 1F1B sends, in the same order (a W is compute)
+        assert calls["zb-h1"] == calls["1f1b"]
         for name, ev in per.items():  # the work shows on gloo's threads
             assert any(e[0].startswith("gloo:") for e in ev), name
             assert exposed_comm(ev)["comm_us"] > 0, name

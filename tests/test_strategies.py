@@ -69,4 +69,5 @@ def test_every_row_builds_its_techniques_parallelism_on_two_ranks():
         "zero-3": "ZeroParallelism zero-3",
         "fsdp": "Composed fsdp1xtp2",  # tp=2: FSDP2 x DTensor TP on a (1, 2) mesh
         "tp": "TensorParallel tp/ours", "gpipe": "PipelineParallel pp/ours-gpipe",
-        "1f1b": "PipelineParallel pp/ours-1f1b"}
+        "1f1b": "PipelineParallel pp/ours-1f1b",
+        "zb-h1": "PipelineParallel pp/ours-zb-h1"}

@@ -171,3 +171,33 @@ def test_zb_h1_bubble_rejects_bad_times():
         zb_h1_bubble(4, 0)
     with pytest.raises(ValueError, match="t_w=3.0 is longer than t_fwd"):
         zb_h1_bubble(4, 8, 1.0, 1.0, 3.0)
+
+
+def test_w_waiting_peak_counts_the_held_ws_and_one_process_split_is_bitwise():
+    from dtlib.chapters.ch06_pipeline_parallel.runs import split_backward_one_process
+    from dtlib.pipeline_parallel.schedules import w_waiting_peak
+
+    assert w_waiting_peak([("F", 0), ("B", 0), ("W", 0)]) == 1
+    assert w_waiting_peak([("F", 0), ("F", 1), ("B", 0), ("B", 1), ("W", 0),
+                           ("W", 1)]) == 2
+    # ZB-H1: stage s holds back s + 1 W's at its most (each W after the B of k + s)
+    for p, m in ((2, 4), (4, 8), (4, 4)):
+        assert [w_waiting_peak(schedule_order("zb-h1", s, p, m)) for s in range(p)] \
+            == [s + 1 for s in range(p)]
+    one = split_backward_one_process(batch=2)
+    assert one["after_b"] == 0 and one["bitwise"] == one["n_params"] > 0
+    assert one["w_bytes"] == one["w_bytes_counted"]
+
+
+def test_the_step_time_models_closed_form_is_the_simulated_zb_h1_step():
+    from dtlib.planner.step_time import zb_h1_step
+
+    rng = random.Random(5)
+    for _ in range(200):
+        p, m = rng.randint(2, 8), rng.randint(1, 12)
+        tf, tb = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+        tw = rng.uniform(0.05, min(tf, tb))
+        step = max(e.end for e in simulate("zb-h1", p, m, tf, tb, tw))
+        assert zb_h1_step(p, m, tf, tb, tw) == pytest.approx(step, rel=1e-12)
+    with pytest.raises(ValueError, match="t_w="):
+        zb_h1_step(4, 8, 1.0, 1.0, 1.5)

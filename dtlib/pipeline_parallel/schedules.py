@@ -43,7 +43,7 @@ from dtlib.runtime.dist import sync, world
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "Event", "StepResult", "schedule_order",
            "bubble_fraction", "zb_h1_bubble", "simulate", "idle_fractions",
-           "in_flight_peak", "P2P", "p2p_plan", "pipeline_step"]
+           "in_flight_peak", "w_waiting_peak", "P2P", "p2p_plan", "pipeline_step"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 #: the schedules whose backward is split into B (input gradient) and W (weights)
@@ -223,6 +223,18 @@ def in_flight_peak(order: list[Action]) -> int:
         elif kind == "W" or not split:
             live -= 1
         peak = max(peak, live)
+    return peak
+
+
+def w_waiting_peak(order: list[Action]) -> int:
+    """Most micro-batches whose B has run and W has not, along a split ``order``: how
+    many deferred W's (their output gradients) the stage holds at once.
+
+    Taught in: Chapter 6, "Splitting the backward"."""
+    waiting = peak = 0
+    for kind, _ in order:
+        waiting += (kind == "B") - (kind == "W")
+        peak = max(peak, waiting)
     return peak
 
 

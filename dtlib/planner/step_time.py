@@ -26,6 +26,10 @@ fsdp (FSDP2)    the same as zero-3, and copies into and     unit i+1's all-gathe
 tp              2 all-reduces forward, 2 backward a layer   none: critical path
 gpipe, 1f1b     one activation and one gradient send per    the bubble: (p - 1)
                 micro-batch and stage boundary              idle slots of m + p - 1
+zb-h1           the same sends                              ZB-H1's ideal clock
+                                                            (zb_h1_step): W, a third
+                                                            of the compute, fills
+                                                            the drain
 ==============  ==========================================  ========================
 
 When ranks outnumber cores (``Machine.cores``: a CPU where gloo reduces and copies on
@@ -50,14 +54,14 @@ from dtlib.planner.machine import (ADAMW_BYTES_PER_PARAM, H100_HBM_BYTES_PER_S,
 from dtlib.planner.overlap import Comm, Timeline, serial, two_streams
 from dtlib.planner.specs import RECOMPUTE, ModelSpec
 
-__all__ = ["MODELLED", "Machine", "Workload", "StepTime", "predict", "mfu",
-           "gpu_machine", "rank_flops", "unit_params", "bucket_bytes",
+__all__ = ["MODELLED", "Machine", "Workload", "StepTime", "predict", "zb_h1_step",
+           "mfu", "gpu_machine", "rank_flops", "unit_params", "bucket_bytes",
            "H100_HBM_BYTES_PER_S", "ADAMW_BYTES_PER_PARAM"]
 
 #: The strategies the model prices, by their names in the book's one strategy table
 #: (:data:`dtlib.planner.strategies.STRATEGIES`, which builds each).
 MODELLED = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
-              "zero-3", "fsdp", "tp", "gpipe", "1f1b")
+              "zero-3", "fsdp", "tp", "gpipe", "1f1b", "zb-h1")
 @dataclass(frozen=True)
 class Workload:
     """One training step's shape.
@@ -279,6 +283,25 @@ def _agreement(w: Workload, m: Machine, n: int, comm: Comm) -> list[Comm]:
                  comm.needed_by, "agreement")] if w.control_collectives else []
 
 
+def zb_h1_step(n_stages: int, n_microbatches: int, t_fwd: float, t_bwd: float,
+               t_w: float) -> float:
+    """ZB-H1's step on the ideal clock when ``t_w <= min(t_fwd, t_bwd)``, in closed
+    form (this module runs without torch): ``m (t_F + t_B + t_W) + (p - 1)(t_F + t_B
+    - t_W)`` (Qi et al., 2024) when ``m >= p``; with fewer micro-batches than stages
+    the drain has no W's to fill it: ``(m + p - 1)(t_F + t_B) + t_W``. Equal to
+    Chapter 6's ``simulate("zb-h1", ...)`` (``tests/test_zero_bubble.py``).
+
+    Taught in: Chapter 13, "Where the time goes".
+    """
+    p, m = n_stages, n_microbatches
+    if not t_w <= min(t_fwd, t_bwd):
+        raise ValueError(f"t_w={t_w!r} must be at most min(t_fwd, t_bwd) = "
+                         f"{min(t_fwd, t_bwd)!r}")
+    if m >= p:
+        return m * (t_fwd + t_bwd + t_w) + (p - 1) * (t_fwd + t_bwd - t_w)
+    return (m + p - 1) * (t_fwd + t_bwd) + t_w
+
+
 def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime:
     """The predicted step of ``strategy`` on ``world_size`` ranks of ``m``.
 
@@ -297,11 +320,16 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
     _check(strategy, world_size)
     n, e, shared = world_size, w.bytes_per_element, m.shares_cores(world_size)
     tokens = w.global_batch * w.model.seq_len
-    if strategy in ("gpipe", "1f1b"):
+    if strategy in ("gpipe", "1f1b", "zb-h1"):
         mb = w.flops() / n / w.n_micro / m.flops_per_s  # one stage, one micro-batch
         send = m.collective_s("send", tokens / w.n_micro * w.model.hidden * e, n)
         slots = w.n_micro + n - 1  # the same for GPipe and 1F1B (Chapter 6)
-        critical = slots * (mb + 2 * send)
+        if strategy == "zb-h1":
+            # F, B and W a third of the compute each, each send charged to the
+            # action that waits for it: ZB-H1's step on the ideal clock
+            critical = zb_h1_step(n, w.n_micro, mb / 3 + send, mb / 3 + send, mb / 3)
+        else:
+            critical = slots * (mb + 2 * send)
         if m.cores is not None:  # every stage's work through the shared cores
             critical = max(critical, (w.n_micro * mb + 2 * (n - 1) / n * w.n_micro
                                       * send) / _share(m, n))

@@ -18,7 +18,8 @@ zero-1..3       Chapter 4's ZeRO stages                        Chapter 13, bench
 fsdp            torch's FSDP2 (``fully_shard``); ``tp > 1``:   the capstone,
                 FSDP2 x DTensor TP on a (dp, tp) mesh          Chapter 13, bench
 tp              Chapter 5's Megatron TP (the book's f and g)   Chapter 13, bench
-gpipe, 1f1b     Chapter 6's schedules                          Chapter 13, bench
+gpipe, 1f1b,    Chapter 6's schedules (zb-h1: the backward      Chapter 13, bench
+zb-h1           split into B and W)
 ==============  =============================================  ======================
 
 Taught in: Chapter 10, "The script's structure" (the capstone's rows), and Chapter
@@ -157,6 +158,7 @@ STRATEGIES: dict[str, Strategy] = {
     "tp": Strategy(_tp, 0),
     "gpipe": Strategy(_pipe("gpipe"), 0, ("n_micro",)),
     "1f1b": Strategy(_pipe("1f1b"), 0, ("n_micro",)),
+    "zb-h1": Strategy(_pipe("zb-h1"), 0, ("n_micro",)),
 }
 
 

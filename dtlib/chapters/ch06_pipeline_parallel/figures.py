@@ -14,13 +14,14 @@ from dtlib.pipeline_parallel.schedules import (Event, bubble_fraction, in_flight
 __all__ = ["plot_timeline", "plot_schedules", "plot_bubble_vs_microbatches",
            "plot_in_flight", "plot_stage_costs"]
 
-_COLORS = {"F": "#4C72B0", "B": "#DD8452"}
+_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
 def plot_timeline(events: Sequence[Event], n_stages: int, ax: Any = None,
                   title: str = "", unit: str = "time slots") -> Any:
     """The classic pipeline diagram: one row per stage (stage 0 on top), a box per
-    forward (blue) or backward (orange) labelled with its micro-batch; white is idle.
+    forward (blue), backward (orange) or, in a split schedule, weight gradient
+    (green, W) labelled with its micro-batch; white is idle.
 
     Args:
         events: from :func:`dtlib.pipeline_parallel.schedules.simulate` or measured
@@ -50,8 +51,11 @@ def plot_timeline(events: Sequence[Event], n_stages: int, ax: Any = None,
     ax.set_xlabel(unit)
     ax.set_title(title)
     from matplotlib.patches import Patch
+    split = any(e.kind == "W" for e in events)
     ax.legend(handles=[Patch(color=_COLORS["F"], label="forward"),
-                       Patch(color=_COLORS["B"], label="backward")],
+                       Patch(color=_COLORS["B"],
+                             label="B (input grad)" if split else "backward")]
+              + ([Patch(color=_COLORS["W"], label="W (weight grad)")] if split else []),
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=9)
     return ax
 

@@ -19,18 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtlib.models.gpt import GPTConfig, build_gpt
+from dtlib.models.gpt import GPTConfig, build_gpt, token_batch
 from dtlib.models.reference import gpt_batches, reference_gpt_run
 from dtlib.models.run import RunConfig, TrainState, run_steps
 from dtlib.models.sizes import size
 from dtlib.pipeline_parallel import lm_loss, parallelism
 from dtlib.pipeline_parallel.schedules import idle_fractions, pipeline_step
 from dtlib.pipeline_parallel.split import split_gpt
+from dtlib.pipeline_parallel.zero_bubble import (backward_input, backward_weight,
+                                                 gpt_w_bytes, weight_sites)
 from dtlib.runtime.dist import world
 
 __all__ = ["PP_GPT", "LR", "OPTIMIZER", "VARIANTS", "SPLIT_VARIANTS",
            "lm_loss", "train_pipeline",
-           "reference", "compare_all", "timeline_rank", "stage_idle"]
+           "reference", "compare_all", "timeline_rank", "stage_idle",
+           "split_backward_one_process", "zero_bubble_rank", "mean_durations"]
 
 # The chapter's GPT, as keyword arguments (ranks rebuild it from these): untied (see
 # dtlib.pipeline_parallel.split), 8 blocks so 2 and 4 stages both split evenly, and
@@ -191,3 +194,62 @@ def stage_idle(per_rank: list[dict[str, Any]], schedule: str) -> list[float]:
     events = [e for r in per_rank for e in r[schedule]["events"]]
     return idle_fractions(events, len(per_rank))
 
+
+
+def split_backward_one_process(gpt: dict = PP_GPT, batch: int = 2,
+                               seed: int = 1) -> dict[str, Any]:
+    """One process, the whole GPT as one stage: ``loss.backward()`` against B then W,
+    from the same weights on the same batch.
+
+    Returns:
+        ``n_params``; ``bitwise``, how many parameters' gradients are bit-identical;
+        ``after_b``, how many had a gradient after B alone (W computes them);
+        ``w_bytes``, what the deferred W held, and ``w_bytes_counted``, the chapter's
+        count (:func:`dtlib.pipeline_parallel.zero_bubble.gpt_w_bytes`).
+
+    Taught in: Chapter 6, "Splitting the backward".
+    """
+    cfg = GPTConfig(**gpt)
+    fused = split_gpt(build_gpt(cfg, seed=0), 1)[0]
+    split = split_gpt(build_gpt(cfg, seed=0), 1)[0]
+    idx, tgt = token_batch(cfg, batch, seed=seed)
+    lm_loss(fused(idx), tgt).backward()
+    with weight_sites(split) as sites:
+        out = split(idx)
+    _, deferred = backward_input(lm_loss(out, tgt), None, None, sites)  # B
+    after_b = sum(p.grad is not None for p in split.parameters())
+    held = deferred.nbytes
+    backward_weight(deferred)  # W, later
+    pairs = list(zip(fused.parameters(), split.parameters()))
+    return {"n_params": len(pairs),
+            "bitwise": sum(torch.equal(a.grad, b.grad) for a, b in pairs),
+            "after_b": after_b, "w_bytes": held,
+            "w_bytes_counted": gpt_w_bytes(cfg.hidden, cfg.seq_len, batch,
+                                           cfg.n_layers, first=True, last=True,
+                                           vocab=cfg.vocab_size)}
+
+
+def zero_bubble_rank(gpt: dict = PP_GPT, batch: int = 8,
+                     timeline_gpt: dict | None = None, timeline_batch: int = 16,
+                     n_microbatches: int = 8, steps: int = 5) -> dict[str, Any]:
+    """On every rank: ZB-H1 against 1F1B and one process (:func:`compare_all`, with
+    four micro-batches as in "Is it the same training?"), and one measured step of
+    each (:func:`timeline_rank` on ``timeline_gpt``, default ``gpt``).
+
+    Taught in: Chapter 6, "Splitting the backward".
+    """
+    return {"compare": compare_all(gpt, batch, 4, steps,
+                                   variants=("ours-1f1b", "ours-zb-h1")),
+            "timeline": timeline_rank(timeline_gpt or gpt, timeline_batch,
+                                      n_microbatches, schedules=("1f1b", "zb-h1"))}
+
+
+def mean_durations(per_rank: list[dict[str, Any]], schedule: str) -> dict[str, float]:
+    """The mean duration of each kind of action ("F", "B", "W") in a measured step,
+    over every stage, from :func:`timeline_rank` results.
+
+    Taught in: Chapter 6, "Splitting the backward"."""
+    events = [e for r in per_rank for e in r[schedule]["events"]]
+    kinds = sorted({e.kind for e in events})
+    return {k: sum(e.end - e.start for e in events if e.kind == k)
+            / sum(1 for e in events if e.kind == k) for k in kinds}
