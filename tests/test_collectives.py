@@ -295,3 +295,18 @@ def test_bytes_checker_accepts_right_and_rejects_wrong(capsys) -> None:
     assert "Correct" in capsys.readouterr().out
     with pytest.raises(WrongAnswer, match="predicted"):
         ex.check_bytes_sent(lambda nbytes, n: 2 * nbytes)
+
+
+def test_a_glued_word_reads_in_each_language_and_an_unknown_one_is_refused() -> None:
+    from dtlib.runtime.i18n import WORDS, glue_word
+
+    glued: dict = {}
+    put = lambda k, v, display: glued.__setitem__(k, v)  # noqa: E731
+    glue_word(put, "v", "within {d:.0e}", d=3e-7)
+    assert glued == {"v": "within 3e-07", "v__zh_CN": "相差在 3e-07 以内"}
+    for word in WORDS:  # every word has a Chinese of its own
+        glue_word(put, "w", word, d=1.0)
+        assert glued["w__zh_CN"] != glued["w"] and re.search("[\u4e00-\u9fff]",
+                                                              glued["w__zh_CN"])
+    with pytest.raises(ValueError, match="word="):
+        glue_word(put, "x", "identical")

@@ -99,6 +99,12 @@ def N_(message: str) -> str:
     return message
 
 
+#: The words a page glues into its own sentence (a verdict: "equal", "fits"), marked
+#: for the catalog: :func:`glue_word` glues each in every edition's language.
+WORDS = (N_("exactly"), N_("NOT"), N_("equal"), N_("unequal"), N_("equal to the byte"),
+         N_("not equal"), N_("fits"), N_("does not fit"), N_("within {d:.0e}"))
+
+
 def ngettext(singular: str, plural: str, n: int) -> str:
     """The singular or plural of a message for ``n``, in the current language."""
     return _translations(language()).ngettext(singular, plural, n)
@@ -125,3 +131,15 @@ def glue_in_each_language(glue: Callable[..., Any], name: str,
     for lang in LANGUAGES:
         with speaking(lang):
             glue(glue_key(name, lang), make(), display=False)
+
+
+def glue_word(glue: Callable[..., Any], name: str, word: str, **fields: Any) -> None:
+    """Glue one of :data:`WORDS` (formatted with ``fields``) in every language, for
+    a page whose sentence reads it: "the formula and torch's count are {equal}".
+
+    Raises:
+        ValueError: ``word`` is not in :data:`WORDS` (it would have no translation).
+    """
+    if word not in WORDS:
+        raise ValueError(f"word={word!r} is not one of dtlib's glued words {WORDS}")
+    glue_in_each_language(glue, name, lambda: _(word).format(**fields))
