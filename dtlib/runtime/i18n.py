@@ -102,7 +102,8 @@ def N_(message: str) -> str:
 #: The words a page glues into its own sentence (a verdict: "equal", "fits"), marked
 #: for the catalog: :func:`glue_word` glues each in every edition's language.
 WORDS = (N_("exactly"), N_("NOT"), N_("equal"), N_("unequal"), N_("equal to the byte"),
-         N_("not equal"), N_("fits"), N_("does not fit"), N_("within {d:.0e}"))
+         N_("not equal"), N_("fits"), N_("does not fit"), N_("within {d:.0e}"),
+         N_("runs"), N_("does not run"))
 
 
 def ngettext(singular: str, plural: str, n: int) -> str:
