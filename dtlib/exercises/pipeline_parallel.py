@@ -392,3 +392,110 @@ def check_pipeline_step(step: Callable[..., Any]) -> None:
              "sends, receives and computes in GPipe's order, for {counts} "
              "micro-batches").format(
                  counts=" / ".join(str(m) for m, _n in _PP_CONFIGS)))
+
+
+# ---- schedule it: W into the holes (zero bubble, ZB-H1's memory) ------------------
+
+#: Depths and micro-batch counts always tried (the page's p = 4, m = 8 first; fewer
+#: micro-batches than stages too) and the (t_F, t_B, t_W) the clock runs them at: W no
+#: longer than F or B, in exact binary fractions.
+_ZB_GRID = ((4, 8), (2, 2), (2, 5), (3, 3), (3, 7), (4, 3), (5, 10))
+_ZB_TIMES = ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 1.0, 1.0), (1.0, 2.0, 0.5))
+
+#: What ``check_zero_bubble_order`` switches off while the learner's function runs.
+_ZB_ORDER_FORBIDS = {
+    'dtlib.pipeline_parallel.schedules:schedule_order': N_("the book's own orders"),
+    'dtlib.pipeline_parallel.schedules:simulate': N_("the checker's truth"),
+    'dtlib.pipeline_parallel.interleaved:interleaved_order':
+        N_("the book's own orders"),
+}
+
+
+def _zb_form(order: Any, stage: int, p: int, m: int) -> list[tuple[str, int]]:
+    """The learner's order as (kind, micro-batch) pairs, or a WrongAnswer saying
+    what is malformed or missing."""
+    where = _("stage {stage} of p={p}, m={m}").format(stage=stage, p=p, m=m)
+    try:
+        pairs = [(str(k).upper(), int(i)) for k, i in order]
+    except (TypeError, ValueError):
+        raise WrongAnswer(_("{where}: return a list of (kind, micro-batch) pairs such "
+                            "as ('F', 0), ('B', 0), ('W', 0)").format(where=where))
+    for kind in "FBW":
+        got = sorted(i for k, i in pairs if k == kind)
+        if got != list(range(m)):
+            raise WrongAnswer(_("{where}: each micro-batch 0..{last} needs exactly one "
+                                "{kind}; yours has {got}").format(
+                                    where=where, last=m - 1, kind=kind, got=got))
+    if len(pairs) != 3 * m:
+        raise WrongAnswer(_("{where}: only F, B and W actions, each micro-batch once "
+                            "each").format(where=where))
+    seen: set[tuple[str, int]] = set()
+    for k, i in pairs:
+        need = {"B": ("F", i), "W": ("B", i)}.get(k)
+        if need is not None and need not in seen:
+            raise WrongAnswer(_("{where}: {k}{i} comes before {need}{i} on the same "
+                                "stage; it needs what that one computes").format(
+                                    where=where, k=k, i=i, need=need[0]))
+        seen.add((k, i))
+    return pairs
+
+
+def _zb_held(order: list[tuple[str, int]]) -> int:
+    """Most micro-batches whose F has run and W has not: the activations held."""
+    live = peak = 0
+    for k, _i in order:
+        live += (k == "F") - (k == "W")
+        peak = max(peak, live)
+    return peak
+
+
+@checker(forbids=_ZB_ORDER_FORBIDS)
+def check_zero_bubble_order(zb_order: Callable[[int, int, int], Any],
+                            seed: int | None = None) -> None:
+    """Check ``zb_order(stage, n_stages, n_microbatches)``: one stage's action list of
+    a split-backward schedule (F, B and W of every micro-batch) that holds at most
+    ``p`` micro-batches' activations on any stage (1F1B's peak) and whose step on the
+    ideal clock (:func:`dtlib.pipeline_parallel.schedules.play`) is no longer than
+    ZB-H1's, for every (t_F, t_B, t_W) with t_W <= min(t_F, t_B).
+
+    The grid, and two (p, m) drawn from ``seed`` (up to 8 stages, 20 micro-batches)
+    with one more triple of times."""
+    rng = random.Random(seed)
+    grid = [*_ZB_GRID, *((rng.randint(2, 8), rng.randint(1, 20)) for _ in range(2))]
+    t_f, t_b = rng.randint(4, 16) / 8, rng.randint(4, 16) / 8
+    times = [*_ZB_TIMES, (t_f, t_b, rng.randint(1, int(8 * min(t_f, t_b))) / 8)]
+    from dtlib.pipeline_parallel.schedules import play
+
+    for p, m in grid:
+        orders = [_zb_form(zb_order(s, p, m), s, p, m) for s in range(p)]
+        for s, order in enumerate(orders):
+            if _zb_held(order) > p:
+                raise WrongAnswer(
+                    _("stage {s} of p={p}, m={m} holds {held} micro-batches' "
+                      "activations at once (a micro-batch is held from its F until "
+                      "its W); 1F1B holds at most {p}").format(
+                          s=s, p=p, m=m, held=_zb_held(order)),
+                    _("run each W soon enough: a stage that holds back more W's "
+                      "than the holes need keeps their activations too"))
+        for tf, tb, tw in times:
+            try:
+                events = play(orders, tf, tb, tw)
+            except RuntimeError:
+                raise WrongAnswer(_("p={p}, m={m}: your orders deadlock: some stage "
+                                    "waits for an action that never comes").format(
+                                        p=p, m=m),
+                                  _("a stage's B needs the next stage's B of the "
+                                    "same micro-batch; check the warm-up"))
+            got = max(e.end for e in events)
+            want = max(e.end for e in simulate("zb-h1", p, m, tf, tb, tw))
+            if got > want + 1e-9:
+                raise WrongAnswer(
+                    _("p={p}, m={m}, t_F={tf:g}, t_B={tb:g}, t_W={tw:g}: your step "
+                      "takes {got:g} on the ideal clock, ZB-H1's {want:g}").format(
+                          p=p, m=m, tf=tf, tb=tb, tw=tw, got=got, want=want),
+                    _("a W is wanted where the stage would idle: in the drain, and "
+                      "in the warm-up's holes of the stages that wait longest "
+                      "('Splitting the backward')"))
+    passed(_("your orders hold at most p micro-batches and are as short as ZB-H1's on "
+             "the ideal clock, for {n} depths and micro-batch counts and {k} sets of "
+             "F, B and W times").format(n=len(grid), k=len(times)))

@@ -42,7 +42,7 @@ from dtlib.pipeline_parallel.zero_bubble import (DeferredW, backward_input,
 from dtlib.runtime.dist import sync, world
 
 __all__ = ["SCHEDULES", "SPLIT_SCHEDULES", "Event", "StepResult", "schedule_order",
-           "bubble_fraction", "zb_h1_bubble", "simulate", "idle_fractions",
+           "bubble_fraction", "zb_h1_bubble", "simulate", "play", "idle_fractions",
            "in_flight_peak", "w_waiting_peak", "P2P", "p2p_plan", "pipeline_step"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -168,8 +168,26 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, t_fwd: float = 1
     _check(n_stages, n_microbatches)
     orders = [schedule_order(schedule, s, n_stages, n_microbatches)
               for s in range(n_stages)]
-    split = schedule in SPLIT_SCHEDULES
-    length = {"F": t_fwd, "B": t_bwd if split else t_bwd + t_w, "W": t_w}
+    if schedule in SPLIT_SCHEDULES:
+        return play(orders, t_fwd, t_bwd, t_w)
+    return play(orders, t_fwd, t_bwd + t_w)
+
+
+def play(orders: list[list[Action]], t_fwd: float = 1.0, t_bwd: float = 2.0,
+         t_w: float = 0.0) -> list[Event]:
+    """Play one action list per stage (``orders[s]`` for stage ``s``) on the ideal
+    clock of :func:`simulate`: an F takes ``t_fwd``, a B ``t_bwd``, a W ``t_w``; a
+    stage starts its next action as soon as its input exists (the previous stage's F,
+    the next stage's B, its own F on the last stage, its own B for a W).
+
+    Returns:
+        Every stage's events. Raises ``RuntimeError`` when the orders deadlock: some
+        stage waits for an action that cannot happen.
+
+    Taught in: Chapter 6, "Splitting the backward".
+    """
+    n_stages = len(orders)
+    length = {"F": t_fwd, "B": t_bwd, "W": t_w}
     done: dict[tuple[int, str, int], float] = {}
     free = [0.0] * n_stages
     pos = [0] * n_stages
@@ -194,7 +212,7 @@ def simulate(schedule: str, n_stages: int, n_microbatches: int, t_fwd: float = 1
                 pos[s] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks at positions {pos}")
+            raise RuntimeError(f"the orders deadlock at positions {pos}")
     return events
 
 
