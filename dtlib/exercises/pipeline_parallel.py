@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dtlib.exercises import WrongAnswer, as_number, checker, passed, run_on_ranks
-from dtlib.pipeline_parallel.schedules import simulate
+from dtlib.pipeline_parallel.schedules import in_flight_peak, simulate
 from dtlib.runtime.i18n import N_, _
 
 # ---- reason it out: when does a stage start its first backward? ----------------------
@@ -440,15 +440,6 @@ def _zb_form(order: Any, stage: int, p: int, m: int) -> list[tuple[str, int]]:
     return pairs
 
 
-def _zb_held(order: list[tuple[str, int]]) -> int:
-    """Most micro-batches whose F has run and W has not: the activations held."""
-    live = peak = 0
-    for k, _i in order:
-        live += (k == "F") - (k == "W")
-        peak = max(peak, live)
-    return peak
-
-
 @checker(forbids=_ZB_ORDER_FORBIDS)
 def check_zero_bubble_order(zb_order: Callable[[int, int, int], Any],
                             seed: int | None = None) -> None:
@@ -469,12 +460,12 @@ def check_zero_bubble_order(zb_order: Callable[[int, int, int], Any],
     for p, m in grid:
         orders = [_zb_form(zb_order(s, p, m), s, p, m) for s in range(p)]
         for s, order in enumerate(orders):
-            if _zb_held(order) > p:
+            if in_flight_peak(order) > p:
                 raise WrongAnswer(
                     _("stage {s} of p={p}, m={m} holds {held} micro-batches' "
                       "activations at once (a micro-batch is held from its F until "
                       "its W); 1F1B holds at most {p}").format(
-                          s=s, p=p, m=m, held=_zb_held(order)),
+                          s=s, p=p, m=m, held=in_flight_peak(order)),
                     _("run each W soon enough: a stage that holds back more W's "
                       "than the holes need keeps their activations too"))
         for tf, tb, tw in times:
