@@ -397,7 +397,8 @@ def grad_shards_on_rank(reduce: Callable[..., torch.Tensor]) -> list[Any]:
             with count_comms() as log:
                 shard = reduce(grad.clone(), reduce_dtype)
         except (TypeError, ValueError, RuntimeError) as err:
-            out.append(("bad", f"{type(err).__name__}: {err}"))
+            out.append(("bad", _("your reduce raised {type}: {err}").format(
+                                   type=type(err).__name__, err=err)))
             continue
         if not torch.is_tensor(shard):
             out.append(("bad", _("returned {type}, not a tensor").format(
