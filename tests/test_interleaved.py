@@ -22,6 +22,7 @@ from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.pipeline_parallel.interleaved import (interleaved_bubble, interleaved_order,
                                                  simulate_interleaved)
 from dtlib.pipeline_parallel.schedules import simulate
+from dtlib.pipeline_parallel.zero_bubble_v import play_v, zbv_orders
 from dtlib.runtime import launch
 
 SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble", "zb-v", "dualpipev")
@@ -81,6 +82,15 @@ def test_torch_interleaved_schedules_equal_one_process(world_size: int) -> None:
             for n, q in r["params"].items():
                 torch.testing.assert_close(q, ref["params"][n], rtol=0,
                                            atol=param_atol(batch, steps, g), msg=n)
+    # torch's ZB-V runs our action lists, action by action; DualPipeV's lists are
+    # valid V lists (every F, B, W once; they play without deadlock)
+    n = world_size
+    assert [r["zb-v"]["torch_order"] for r in res] == [zbv_orders(n, m)] * n
+    dual = res[0]["dualpipev"]["torch_order"]
+    for order in dual:
+        assert sorted(order) == sorted((k, i, c) for k in "FBW" for i in range(m)
+                                       for c in (0, 1))
+    play_v(dual)
     # not vacuous: training moved the parameters far more than the tolerance
     start = build_gpt(GPTConfig(**PP_GPT), seed=0).state_dict()
     moved = max((ref["params"][n] - start[n]).abs().max().item() for n in ref["params"])

@@ -1,7 +1,9 @@
 """Chapter 6: pipeline parallelism.
 
 - :mod:`~dtlib.pipeline_parallel.split`: cutting the GPT into balanced stages.
-- :mod:`~dtlib.pipeline_parallel.schedules`: GPipe and 1F1B, simulated and run.
+- :mod:`~dtlib.pipeline_parallel.schedules`: GPipe, 1F1B and ZB-H1, simulated and run.
+- :mod:`~dtlib.pipeline_parallel.zero_bubble_v`: ZB-V's V-shaped action lists, and
+  torch's V schedules' lists read beside them.
 - :mod:`~dtlib.pipeline_parallel.parallelism`: ``parallelism(schedule, n_micro, ...)``,
   a schedule as the :class:`~dtlib.models.run.Parallelism` of the one loop.
 """

@@ -18,13 +18,14 @@ Taught in: Chapter 12, "Interleaved pipeline schedules".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from dtlib.pipeline_parallel.schedules import Event
 
 __all__ = ["ChunkEvent", "interleaved_order", "interleaved_bubble",
-           "simulate_interleaved"]
+           "simulate_interleaved", "play_chunks"]
 
-ChunkAction = tuple[str, int, int]  # ("F" or "B", micro-batch, model chunk)
+ChunkAction = tuple[str, int, int]  # ("F", "B" or "W", micro-batch, model chunk)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,23 @@ def simulate_interleaved(n_stages: int, n_chunks: int, n_microbatches: int,
     """
     p, v = n_stages, n_chunks
     orders = [interleaved_order(r, p, v, n_microbatches) for r in range(p)]
-    last = p * v - 1
+    return play_chunks(orders, lambda r, c: c * p + r, p * v,
+                       {"F": t_fwd / v, "B": t_bwd / v})
+
+
+def play_chunks(orders: list[list[ChunkAction]], stage_of: Callable[[int, int], int],
+                n_virtual: int, length: dict[str, float]) -> list[ChunkEvent]:
+    """Play one list of ``(kind, micro_batch, chunk)`` per rank on the ideal clock:
+    an action takes ``length[kind]`` and starts once its rank is free and its input
+    exists: an F the previous virtual stage's F, a B the next one's B (the last
+    stage: its own F), a W its own B. ``stage_of(rank, chunk)`` places the chunks.
+
+    Returns:
+        Every rank's events. Raises ``RuntimeError`` when the lists deadlock.
+
+    Taught in: Chapter 12, "Interleaved pipeline schedules"; Chapter 6, "The V".
+    """
+    p, last = len(orders), n_virtual - 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, mb) -> end
     free, pos = [0.0] * p, [0] * p
     events: list[ChunkEvent] = []
@@ -123,19 +140,20 @@ def simulate_interleaved(n_stages: int, n_chunks: int, n_microbatches: int,
         for r in range(p):
             while pos[r] < len(orders[r]):
                 kind, i, c = orders[r][pos[r]]
-                vs = c * p + r
+                vs = stage_of(r, c)
                 if kind == "F":
                     dep = ("F", vs - 1, i) if vs > 0 else None
+                elif kind == "W":
+                    dep = ("B", vs, i)
                 else:
                     dep = ("B", vs + 1, i) if vs < last else ("F", vs, i)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done[dep] if dep else 0.0)
-                end = start + (t_fwd if kind == "F" else t_bwd) / v
-                done[kind, vs, i] = free[r] = end
-                events.append(ChunkEvent(r, kind, i, start, end, c))
+                done[kind, vs, i] = free[r] = start + length[kind]
+                events.append(ChunkEvent(r, kind, i, start, free[r], c))
                 pos[r] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"interleaved order deadlocks at positions {pos}")
+            raise RuntimeError(f"the orders deadlock at positions {pos}")
     return events

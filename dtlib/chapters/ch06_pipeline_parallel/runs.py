@@ -24,10 +24,12 @@ from dtlib.models.reference import gpt_batches, reference_gpt_run
 from dtlib.models.run import RunConfig, TrainState, run_steps
 from dtlib.models.sizes import size
 from dtlib.pipeline_parallel import lm_loss, parallelism
+from dtlib.pipeline_parallel.parallelism import TORCH_SCHEDULES
 from dtlib.pipeline_parallel.schedules import idle_fractions, pipeline_step
 from dtlib.pipeline_parallel.split import split_gpt
 from dtlib.pipeline_parallel.zero_bubble import (backward_input, backward_weight,
                                                  gpt_w_bytes, weight_sites)
+from dtlib.pipeline_parallel.zero_bubble_v import torch_orders
 from dtlib.runtime.dist import world
 
 __all__ = ["PP_GPT", "LR", "OPTIMIZER", "VARIANTS", "SPLIT_VARIANTS",
@@ -68,7 +70,10 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
     Returns:
         ``losses``, every stage's ``grads`` (step 0) and ``params`` (after ``steps``)
         by the model's names, this stage's ``names``, and for the teaching schedules
-        ``peak_in_flight`` and the last step's ``events``.
+        ``peak_in_flight`` and the last step's ``events``; for torch's V-shaped
+        schedules ``torch_order``, the compute actions torch's schedule runs on every
+        rank (:func:`~dtlib.pipeline_parallel.zero_bubble_v.torch_orders`), and
+        ``torch_idle_slots``, the ``None`` entries of this rank's list.
 
     Taught in: Chapter 6, "Is it the same training?".
     """
@@ -87,6 +92,10 @@ def train_pipeline(gpt: dict, batch: int, n_microbatches: int, steps: int,
     plan = par.plan(stage)
     out = {"losses": res.losses, "grads": res.grads, "params": res.params,
            "names": plan.stage_names[plan.rank]}
+    if plan.torch_schedule is not None and TORCH_SCHEDULES[schedule][2] == "v":
+        order = plan.torch_schedule.pipeline_order
+        out["torch_order"] = torch_orders(order, plan.n_stages)
+        out["torch_idle_slots"] = sum(a is None for a in order[plan.rank])
     if par.last_step is not None:
         out["peak_in_flight"] = par.last_step.peak_in_flight
         out["w_bytes_peak"] = par.last_step.w_bytes_peak
@@ -253,3 +262,27 @@ def mean_durations(per_rank: list[dict[str, Any]], schedule: str) -> dict[str, f
     kinds = sorted({e.kind for e in events})
     return {k: sum(e.end - e.start for e in events if e.kind == k)
             / sum(1 for e in events if e.kind == k) for k in kinds}
+
+
+def torch_v_orders(gpt: dict = PP_GPT, batch: int = 8,
+                   n_microbatches: int = 4) -> dict[str, Any]:
+    """On every rank: one step of torch's ``ScheduleZBVZeroBubble`` and
+    ``ScheduleDualPipeV`` on the chapter's GPT (two stages per rank, in a V), and the
+    action lists they ran.
+
+    Returns:
+        Per schedule ``order`` (every rank's compute actions as
+        :func:`~dtlib.pipeline_parallel.zero_bubble_v.torch_orders` reads them),
+        ``idle_slots`` (the ``None`` entries of this rank's ``pipeline_order``) and
+        ``loss`` (the step's loss).
+
+    Taught in: Chapter 6, "The V: two chunks per rank".
+    """
+    out: dict[str, Any] = {}
+    for schedule in ("zb-v", "dualpipev"):
+        run = train_pipeline(gpt, batch, n_microbatches, 1, f"torch-{schedule}",
+                             chunks=2)
+        out[schedule] = {"order": run["torch_order"],
+                         "idle_slots": run["torch_idle_slots"],
+                         "loss": run["losses"][0]}
+    return out
