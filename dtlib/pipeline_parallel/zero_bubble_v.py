@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from dtlib.pipeline_parallel.interleaved import ChunkEvent, play_chunks
+from dtlib.pipeline_parallel.schedules import in_flight_peak
 
 __all__ = ["VAction", "v_stage", "zbv_order", "zbv_orders", "play_v",
            "v_in_flight_peak", "torch_orders", "step_time"]
@@ -134,11 +135,8 @@ def play_v(orders: list[list[VAction]], t_fwd: float = 1.0, t_bwd: float = 1.0,
     """
     p = len(orders)
     _check(max(p, 1), 1, (("t_fwd", t_fwd), ("t_bwd", t_bwd), ("t_w", t_w)))
-    try:
-        return play_chunks(orders, lambda r, c: v_stage(r, c, p), 2 * p,
-                           {"F": t_fwd / 2, "B": t_bwd / 2, "W": t_w / 2})
-    except RuntimeError as err:
-        raise RuntimeError(f"the V {err}") from None
+    return play_chunks(orders, lambda r, c: v_stage(r, c, p), 2 * p,
+                       {"F": t_fwd / 2, "B": t_bwd / 2, "W": t_w / 2})
 
 
 def step_time(events: list[ChunkEvent]) -> float:
@@ -153,11 +151,7 @@ def v_in_flight_peak(order: list[VAction]) -> float:
 
     Taught in: Chapter 6, "The V: two chunks per rank".
     """
-    live = peak = 0
-    for kind, _, _ in order:
-        live += (kind == "F") - (kind == "W")
-        peak = max(peak, live)
-    return peak / 2
+    return in_flight_peak([(kind, mb) for kind, mb, _ in order]) / 2
 
 
 def torch_orders(pipeline_order: dict[int, list[Any]], n_ranks: int

@@ -273,8 +273,7 @@ def torch_v_orders(gpt: dict = PP_GPT, batch: int = 8,
     Returns:
         Per schedule ``order`` (every rank's compute actions as
         :func:`~dtlib.pipeline_parallel.zero_bubble_v.torch_orders` reads them),
-        ``idle_slots`` (the ``None`` entries of this rank's ``pipeline_order``) and
-        ``loss`` (the step's loss).
+        and ``idle_slots`` (the ``None`` entries of this rank's ``pipeline_order``).
 
     Taught in: Chapter 6, "The V: two chunks per rank".
     """
@@ -283,6 +282,5 @@ def torch_v_orders(gpt: dict = PP_GPT, batch: int = 8,
         run = train_pipeline(gpt, batch, n_microbatches, 1, f"torch-{schedule}",
                              chunks=2)
         out[schedule] = {"order": run["torch_order"],
-                         "idle_slots": run["torch_idle_slots"],
-                         "loss": run["losses"][0]}
+                         "idle_slots": run["torch_idle_slots"]}
     return out
