@@ -228,6 +228,25 @@ def missing_sources(nb: dict, page_html: str) -> list[str]:
     return sorted(set(out))
 
 
+def hidden_shows(nb: dict) -> list[str]:
+    """``show(...)`` calls whose listing never reaches the page: a ``show`` returns
+    its listing, and a cell displays only its last expression's value, so a bare
+    ``show(fn)`` statement before other code shows nothing (``display(show(fn))``,
+    or ``show`` as the cell's last line, does). Found without a built book."""
+    trees = _trees(nb)
+    names = _bindings(trees)
+    out = []
+    for i, tree in trees:
+        for k, stmt in enumerate(tree.body):
+            if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+                continue
+            called = _dotted(stmt.value.func, names)
+            if called == "dtlib.chapters.show.show" and k != len(tree.body) - 1:
+                out.append(f"cell {i}: `{ast.unparse(stmt.value)}` is not the cell's "
+                           "last expression, so it displays nothing")
+    return out
+
+
 # ---- the checking functions, on a tiny synthetic notebook ---------------------------
 
 def _notebook(*cells: str) -> dict:
@@ -318,6 +337,20 @@ def test_real_chapters_launch_what_the_check_expects() -> None:
     assert "dtlib.runtime.dist.world_info" in by_name["00"]
     assert "dtlib.train" in by_name["10"]
     assert sum(len(v) for v in launched.values()) >= 15
+
+
+def test_a_show_before_other_code_is_found() -> None:
+    head = "from dtlib.chapters.show import show\nfrom dtlib.runtime import launch\n"
+    nb = _notebook(head, "show(f)\nlaunch.spawn(f, 2)", "x = 1\nshow(f)",
+                   "display(show(f))\nlaunch.spawn(f, 2)")
+    assert hidden_shows(nb) == [
+        "cell 1: `show(f)` is not the cell's last expression, so it displays nothing"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_show_reaches_the_page(path: Path) -> None:
+    """Needs no built book: `make test` catches what the book check found in CI."""
+    assert hidden_shows(json.loads(path.read_text())) == []
 
 
 # ---- over the built book ------------------------------------------------------------
