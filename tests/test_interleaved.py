@@ -3,7 +3,8 @@
 The simulator's bubble equals Narayanan et al.'s (1/v)(p-1)/m exactly (rel 1e-12:
 sums of fractions of time units); ``v = 1`` reproduces Chapter 6's 1F1B. torch's
 ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and the V-shaped
-``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` train Chapter 6's GPT, inside the
+``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, and our ZB-V (``pipeline_step_v``,
+bit for bit torch's ZB-V), train Chapter 6's GPT, inside the
 one loop, equal to one process on 2 and 4 ranks (one launch each), with Chapter 6's
 optimizer (SGD with momentum) and its derived tolerances (``test_pipeline_parallel``:
 a few units of fp32 rounding per term summed).
@@ -16,7 +17,8 @@ import torch
 
 from test_pipeline_parallel import _scale, grad_rel, loss_rel, param_atol
 
-from dtlib.chapters.ch06_pipeline_parallel.runs import PP_GPT, reference
+from dtlib.chapters.ch06_pipeline_parallel.runs import (PP_GPT, reference,
+                                                       train_pipeline)
 from dtlib.chapters.ch12_long_sequences.runs import train_interleaved
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.pipeline_parallel.interleaved import (interleaved_bubble, interleaved_order,
@@ -58,8 +60,10 @@ def test_bad_micro_batch_count_is_named() -> None:
 
 
 def both_schedules(batch: int, m: int, steps: int, v: int) -> dict:
-    """On every rank: each interleaved schedule in turn (one launch)."""
-    return {s: train_interleaved(PP_GPT, batch, m, steps, v, s) for s in SCHEDULES}
+    """On every rank: each interleaved schedule in turn, then our ZB-V (one launch)."""
+    out = {s: train_interleaved(PP_GPT, batch, m, steps, v, s) for s in SCHEDULES}
+    out["ours-zb-v"] = train_pipeline(PP_GPT, batch, m, steps, "ours-zb-v", chunks=2)
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -70,7 +74,7 @@ def test_torch_interleaved_schedules_equal_one_process(world_size: int) -> None:
     g = _scale(ref)
     res = launch.spawn(both_schedules, world_size, batch, m, steps, v, stream=False,
                        timeout=240)
-    for schedule in SCHEDULES:
+    for schedule in SCHEDULES + ("ours-zb-v",):
         runs = [r[schedule] for r in res]
         assert set().union(*(r["params"] for r in runs)) == set(ref["params"])
         for r in runs:
@@ -91,6 +95,16 @@ def test_torch_interleaved_schedules_equal_one_process(world_size: int) -> None:
         assert sorted(order) == sorted((k, i, c) for k in "FBW" for i in range(m)
                                        for c in (0, 1))
     play_v(dual)
+    # our ZB-V (pipeline_step_v) runs the same lists as torch's, with the same
+    # kernels on the same operands in the same order: the same bits, on any machine
+    for r in res:
+        for key in ("losses", "grads", "params"):
+            ours, theirs = r["ours-zb-v"][key], r["zb-v"][key]
+            if key == "losses":
+                assert torch.equal(torch.as_tensor(ours), torch.as_tensor(theirs))
+            else:
+                assert ours.keys() == theirs.keys()
+                assert all(torch.equal(ours[n], theirs[n]) for n in ours), key
     # not vacuous: training moved the parameters far more than the tolerance
     start = build_gpt(GPTConfig(**PP_GPT), seed=0).state_dict()
     moved = max((ref["params"][n] - start[n]).abs().max().item() for n in ref["params"])
@@ -99,11 +113,16 @@ def test_torch_interleaved_schedules_equal_one_process(world_size: int) -> None:
 
 def test_a_schedule_names_the_stages_a_rank_may_hold() -> None:
     from dtlib.pipeline_parallel import parallelism
+    from dtlib.pipeline_parallel.parallelism import PipelineParallel
 
     with pytest.raises(ValueError, match="chunks=3 with schedule='zb-v'"):
         parallelism("zb-v", 4, variant="torch", chunks=3)
-    with pytest.raises(ValueError, match="schedule='zb-v' with variant='ours'"):
-        parallelism("zb-v", 4)
+    with pytest.raises(ValueError, match="chunks=1 with schedule='zb-v'"):
+        parallelism("zb-v", 4)  # ours holds two stages a rank in a V too
+    with pytest.raises(ValueError, match="schedule='zb-v' with variant='tracer'"):
+        parallelism("zb-v", 4, variant="tracer", chunks=2, micro_batch=1)
+    with pytest.raises(ValueError, match="splits each backward into B and W"):
+        PipelineParallel("zb-v", 4, chunks=2, wrap_stage=lambda s: s)
     # one process: 2 stages in the V, so DualPipeV needs 2 micro-batches
     with pytest.raises(ValueError, match="n_micro=1 with schedule='dualpipev'"):
         parallelism("dualpipev", 1, variant="torch", chunks=2).apply(

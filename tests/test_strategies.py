@@ -70,4 +70,13 @@ def test_every_row_builds_its_techniques_parallelism_on_two_ranks():
         "fsdp": "Composed fsdp1xtp2",  # tp=2: FSDP2 x DTensor TP on a (1, 2) mesh
         "tp": "TensorParallel tp/ours", "gpipe": "PipelineParallel pp/ours-gpipe",
         "1f1b": "PipelineParallel pp/ours-1f1b",
-        "zb-h1": "PipelineParallel pp/ours-zb-h1"}
+        "zb-h1": "PipelineParallel pp/ours-zb-h1",
+        "zb-v": "PipelineParallel pp/ours-zb-v-v2"}
+
+
+def test_a_pipeline_row_says_when_the_model_has_too_few_blocks():
+    assert STRATEGIES["zb-v"].fits(4, 2) is None
+    assert STRATEGIES["zb-v"].fits(4, 4) == ("4 blocks cannot make 8 stages (2 a rank "
+                                             "on 4 ranks)")
+    assert STRATEGIES["1f1b"].fits(4, 4) is None and STRATEGIES["1f1b"].fits(4, 5)
+    assert STRATEGIES["ddp/naive"].fits(1, 64) is None

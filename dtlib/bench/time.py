@@ -31,6 +31,7 @@ from dtlib.planner.measure import machine_from, measure_machine
 from dtlib.planner.timing import (BAND, TIME_GPT, compare, measure_overheads,
                                   time_strategies)
 from dtlib.planner.step_time import MODELLED
+from dtlib.planner.strategies import STRATEGIES
 from dtlib.runtime import launch
 
 
@@ -65,6 +66,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     overheads = launch.spawn(measure_overheads, 1, tuple(args.strategies),
                              rounds=args.rounds, timeout=args.timeout,
                              stream=False)[0]
+    for n in args.world_sizes:
+        for name in args.strategies:
+            why = STRATEGIES[name].fits(TIME_GPT.n_layers, n)
+            if why is not None:
+                print(f"{name} on {n} ranks: not timed, {why}")
     runs = [launch.spawn(measure_and_time, n, tuple(args.strategies), args.steps,
                          args.rounds, True, timeout=args.timeout, stream=False)[0]
             for n in args.world_sizes]

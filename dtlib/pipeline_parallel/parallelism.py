@@ -33,10 +33,11 @@ from dtlib.models.run import (Batch, Parallelism, clip_by_global_norm, gpt_loss,
 from dtlib.pipeline_parallel.schedules import (SCHEDULES, SPLIT_SCHEDULES, StepResult,
                                                pipeline_step)
 from dtlib.pipeline_parallel.split import RankStages, split_gpt
+from dtlib.pipeline_parallel.zero_bubble_v import pipeline_step_v
 from dtlib.runtime.dist import world
 
-__all__ = ["VARIANTS", "TORCH_SCHEDULES", "lm_loss", "StagePlan", "PipelineParallel",
-           "parallelism", "stages_of_rank"]
+__all__ = ["VARIANTS", "TORCH_SCHEDULES", "OUR_V_SCHEDULES", "lm_loss", "StagePlan",
+           "PipelineParallel", "parallelism", "stages_of_rank"]
 
 VARIANTS = ("ours", "torch", "tracer")
 
@@ -50,6 +51,8 @@ TORCH_SCHEDULES: dict[str, tuple[str, int | None, str]] = {
     "zb-v": ("ScheduleZBVZeroBubble", 2, "v"),
     "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
+#: Our schedules whose ranks hold two stages in a V (``pipeline_step_v``).
+OUR_V_SCHEDULES = ("zb-v",)
 
 
 def stages_of_rank(rank: int, n_ranks: int, chunks: int, placement: str) -> list[int]:
@@ -118,7 +121,8 @@ class PipelineParallel(Parallelism):
                  | None = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
-        allowed = tuple(TORCH_SCHEDULES) if variant == "torch" else SCHEDULES
+        allowed = tuple(TORCH_SCHEDULES) if variant == "torch" else \
+            SCHEDULES + (OUR_V_SCHEDULES if variant == "ours" else ())
         if schedule not in allowed:
             raise ValueError(f"schedule={schedule!r} with variant={variant!r}: "
                              f"allowed {allowed}")
@@ -126,12 +130,13 @@ class PipelineParallel(Parallelism):
             raise ValueError(f"n_micro={n_micro!r} must be a positive integer")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks={chunks!r} must be a positive integer")
-        per_rank = TORCH_SCHEDULES[schedule][1] if variant == "torch" else 1
+        per_rank = TORCH_SCHEDULES[schedule][1] if variant == "torch" else \
+            (2 if schedule in OUR_V_SCHEDULES else 1)
         if per_rank is not None and chunks != per_rank:
             raise ValueError(f"chunks={chunks} with schedule={schedule!r}: a rank "
                              f"holds exactly {per_rank} stage(s) in that schedule")
         self.chunks = chunks
-        if schedule in SPLIT_SCHEDULES and (prepare is not None
+        if schedule in SPLIT_SCHEDULES + OUR_V_SCHEDULES and (prepare is not None
                                             or wrap_stage is not None):
             raise ValueError(
                 f"schedule={schedule!r} splits each backward into B and W by module "
@@ -193,6 +198,9 @@ class PipelineParallel(Parallelism):
         model = self.prepare(model)
         if self.variant == "torch" and TORCH_SCHEDULES[self.schedule][1] != 1:
             return self._torch_stages(model, shapes, rank, n_stages)
+        if self.schedule in OUR_V_SCHEDULES:
+            wrapped, _, _ = self._rank_stages(model, shapes, rank, n_stages, "v")
+            return wrapped
         stages = split_gpt(model, n_stages, self.layers_per_stage)
         plan = StagePlan(model.cfg, shapes, rank, n_stages,
                          [[n for n, _ in s.named_parameters()] for s in stages],
@@ -226,34 +234,43 @@ class PipelineParallel(Parallelism):
             inspect.signature(cls.__init__).parameters else {}
         return cls(stages, self.n_micro, loss_fn=self._loss_of_micro_batch(), **kwargs)
 
-    def _torch_stages(self, model: GPT, shapes: dict[str, Any], rank: int,
-                      n_ranks: int) -> nn.Module:
-        """A multi-stage schedule: the model cut into ``n_ranks * chunks`` stages,
-        this rank's in a :class:`RankStages`, each in a ``PipelineStage``."""
-        from torch.distributed.pipelining import PipelineStage
-
-        cls = self._torch_schedule_class()
-        placement = TORCH_SCHEDULES[self.schedule][2]
+    def _rank_stages(self, model: GPT, shapes: dict[str, Any], rank: int,
+                     n_ranks: int, placement: str
+                     ) -> tuple[RankStages, StagePlan, list[int]]:
+        """The model cut into ``n_ranks * chunks`` stages, this rank's (placed by
+        ``placement``, :func:`stages_of_rank`) in a :class:`RankStages`, and which
+        stages those are."""
         total = n_ranks * self.chunks
-        if self.schedule == "dualpipev" and self.n_micro < total:
-            raise ValueError(f"n_micro={self.n_micro} with schedule='dualpipev' on "
-                             f"{n_ranks} ranks: needs at least {total} micro-batches "
-                             "(one per stage)")
         stages = split_gpt(model, total, self.layers_per_stage)
         held = [stages_of_rank(r, n_ranks, self.chunks, placement)
                 for r in range(n_ranks)]
         names = [[n for n, _ in RankStages([stages[i] for i in h]).named_parameters()]
                  for h in held]
         plan = StagePlan(model.cfg, shapes, rank, n_ranks, names)
-        mine = [self.wrap_stage(stages[i]) for i in held[rank]]
-        device = world().device
-        pstages = [PipelineStage(st, i, total, device, group=self.group)
-                   for st, i in zip(mine, held[rank])]
-        plan.torch_schedule = self._schedule(cls, pstages)
         plan.first = 0 in held[rank]
         plan.last_rank = next(r for r, h in enumerate(held) if total - 1 in h)
-        wrapped = RankStages(mine)
+        wrapped = RankStages([self.wrap_stage(stages[i]) for i in held[rank]])
         self._plans[wrapped] = plan
+        return wrapped, plan, held[rank]
+
+    def _torch_stages(self, model: GPT, shapes: dict[str, Any], rank: int,
+                      n_ranks: int) -> nn.Module:
+        """A multi-stage schedule of torch's: :meth:`_rank_stages`, each stage in a
+        ``PipelineStage``."""
+        from torch.distributed.pipelining import PipelineStage
+
+        cls = self._torch_schedule_class()
+        total = n_ranks * self.chunks
+        if self.schedule == "dualpipev" and self.n_micro < total:
+            raise ValueError(f"n_micro={self.n_micro} with schedule='dualpipev' on "
+                             f"{n_ranks} ranks: needs at least {total} micro-batches "
+                             "(one per stage)")
+        wrapped, plan, held = self._rank_stages(model, shapes, rank, n_ranks,
+                                                TORCH_SCHEDULES[self.schedule][2])
+        device = world().device
+        pstages = [PipelineStage(st, i, total, device, group=self.group)
+                   for st, i in zip(wrapped.stages, held)]
+        plan.torch_schedule = self._schedule(cls, pstages)
         return wrapped
 
     def _torch_stage(self, model: GPT, stages: list[nn.Module], plan: StagePlan
@@ -300,10 +317,16 @@ class PipelineParallel(Parallelism):
         last = plan.rank == plan.last_rank
         if self.variant == "ours":
             shape = (idx.shape[0] // self.n_micro, idx.shape[1], plan.cfg.hidden)
-            res = pipeline_step(wrapped, idx, targets, n_microbatches=self.n_micro,
-                                act_shape=shape, loss_fn=self._scaled,
-                                schedule=self.schedule, group=self.group,
-                                act_dtype=self.act_dtype)
+            if self.schedule in OUR_V_SCHEDULES:
+                res = pipeline_step_v(wrapped.stages, idx, targets,
+                                      n_microbatches=self.n_micro, act_shape=shape,
+                                      loss_fn=self._scaled, group=self.group,
+                                      act_dtype=self.act_dtype)
+            else:
+                res = pipeline_step(wrapped, idx, targets,
+                                    n_microbatches=self.n_micro, act_shape=shape,
+                                    loss_fn=self._scaled, schedule=self.schedule,
+                                    group=self.group, act_dtype=self.act_dtype)
             self.last_step = res
             return torch.tensor(res.loss / scale, device=idx.device)
         losses: list[torch.Tensor] = []
@@ -364,9 +387,11 @@ def parallelism(schedule: str = "1f1b", n_micro: int = 1, *, variant: str = "our
     """Pipeline parallelism for :func:`~dtlib.models.run.run_steps`.
 
     Args:
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"`` (ours only: the backward
-            split into B and W, Chapter 6); with ``variant="torch"`` also torch's
-            multi-stage schedules (:data:`TORCH_SCHEDULES`): ``"interleaved-1f1b"``,
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"`` (ours only: the backward
+            split into B and W, Chapter 6) or ``"zb-v"`` (ours: ``chunks=2``, two
+            stages per rank in a V, :func:`pipeline_step_v`); with
+            ``variant="torch"`` also torch's multi-stage schedules
+            (:data:`TORCH_SCHEDULES`): ``"interleaved-1f1b"``,
             ``"interleaved-zero-bubble"`` (``chunks`` stages per rank, round-robin),
             ``"zb-v"`` and ``"dualpipev"`` (two stages per rank in a V).
         n_micro: micro-batches per step ``m`` (must divide the batch).

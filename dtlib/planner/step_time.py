@@ -30,6 +30,9 @@ zb-h1           the same sends                              ZB-H1's ideal clock
                                                             (zb_h1_step): W, a third
                                                             of the compute, fills
                                                             the drain
+zb-v            twice as many: each rank's two chunks       ZB-V's ideal clock
+                send (the model cut into 2p chunks)         (zb_v_step): half of
+                                                            ZB-H1's fill
 ==============  ==========================================  ========================
 
 When ranks outnumber cores (``Machine.cores``: a CPU where gloo reduces and copies on
@@ -55,13 +58,14 @@ from dtlib.planner.overlap import Comm, Timeline, serial, two_streams
 from dtlib.planner.specs import RECOMPUTE, ModelSpec
 
 __all__ = ["MODELLED", "Machine", "Workload", "StepTime", "predict", "zb_h1_step",
+           "zb_v_step",
            "mfu", "gpu_machine", "rank_flops", "unit_params", "bucket_bytes",
            "H100_HBM_BYTES_PER_S", "ADAMW_BYTES_PER_PARAM"]
 
 #: The strategies the model prices, by their names in the book's one strategy table
 #: (:data:`dtlib.planner.strategies.STRATEGIES`, which builds each).
 MODELLED = ("ddp/naive", "ddp/bucketed", "ddp/overlapped", "zero-1", "zero-2",
-              "zero-3", "fsdp", "tp", "gpipe", "1f1b", "zb-h1")
+              "zero-3", "fsdp", "tp", "gpipe", "1f1b", "zb-h1", "zb-v")
 @dataclass(frozen=True)
 class Workload:
     """One training step's shape.
@@ -302,6 +306,43 @@ def zb_h1_step(n_stages: int, n_microbatches: int, t_fwd: float, t_bwd: float,
     return (m + p - 1) * (t_fwd + t_bwd) + t_w
 
 
+def zb_v_step(n_ranks: int, n_microbatches: int, t_fwd: float, t_bwd: float,
+              t_w: float) -> float:
+    """ZB-V's step on the ideal clock (Chapter 6's ``play_v`` of ``zbv_orders``), in
+    closed form where it has one; ``t_*`` are a whole stage's, a chunk takes half.
+
+    - ``t_fwd == t_bwd >= t_w`` and ``m >= 2p - 1`` (the V fills):
+      ``m (t_F + t_B + t_W) + (p - 1) max(t_F / 2, t_F - t_W)``; with equal times
+      the idle is ``(p - 1)/2`` of a slot, half of ZB-H1's ``p - 1``;
+    - ``t_fwd == t_bwd >= t_w`` and ``m <= p``: ``m (t_F + t_B + t_W) + (2p - 1 -
+      m) t_F``;
+    - equal times, any ``m``: ``3 m t + max((p - 1)/2, 2p - 1 - m) t``.
+
+    Equal to ``play_v`` over a grid of depths, micro-batch counts and times
+    (``tests/test_zero_bubble_v.py``); this module runs without torch.
+
+    Raises:
+        ValueError: outside those cases (``play_v`` plays any), naming why.
+
+    Taught in: Chapter 13, "Where the time goes"; Chapter 6, "The V".
+    """
+    p, m = n_ranks, n_microbatches
+    for name, v in (("n_ranks", p), ("n_microbatches", m)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if not (t_fwd == t_bwd >= t_w > 0):
+        raise ValueError(f"t_fwd={t_fwd!r}, t_bwd={t_bwd!r}, t_w={t_w!r}: the closed "
+                         "form needs t_fwd == t_bwd >= t_w > 0")
+    if t_w == t_fwd:
+        return 3 * m * t_fwd + max((p - 1) / 2, 2 * p - 1 - m) * t_fwd
+    if m >= 2 * p - 1:
+        return m * (t_fwd + t_bwd + t_w) + (p - 1) * max(t_fwd / 2, t_fwd - t_w)
+    if m <= p:
+        return m * (t_fwd + t_bwd + t_w) + (2 * p - 1 - m) * t_fwd
+    raise ValueError(f"n_microbatches={m} between n_ranks={p} and 2 * n_ranks - 1 = "
+                     f"{2 * p - 1} with t_w < t_fwd has no closed form here")
+
+
 def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime:
     """The predicted step of ``strategy`` on ``world_size`` ranks of ``m``.
 
@@ -320,22 +361,29 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
     _check(strategy, world_size)
     n, e, shared = world_size, w.bytes_per_element, m.shares_cores(world_size)
     tokens = w.global_batch * w.model.seq_len
-    if strategy in ("gpipe", "1f1b", "zb-h1"):
+    if strategy in ("gpipe", "1f1b", "zb-h1", "zb-v"):
         mb = w.flops() / n / w.n_micro / m.flops_per_s  # one stage, one micro-batch
         send = m.collective_s("send", tokens / w.n_micro * w.model.hidden * e, n)
         slots = w.n_micro + n - 1  # the same for GPipe and 1F1B (Chapter 6)
+        sends = 4 if strategy == "zb-v" else 2  # per stage and micro-batch
         if strategy == "zb-h1":
             # F, B and W a third of the compute each, each send charged to the
             # action that waits for it: ZB-H1's step on the ideal clock
             critical = zb_h1_step(n, w.n_micro, mb / 3 + send, mb / 3 + send, mb / 3)
+            exposed = 2 * slots * send  # the sends on the critical path
+        elif strategy == "zb-v":
+            # the same thirds; a stage's F (and B) is two chunks', each with its send
+            critical = zb_v_step(n, w.n_micro, mb / 3 + 2 * send, mb / 3 + 2 * send,
+                                 mb / 3)
+            exposed = critical - zb_v_step(n, w.n_micro, mb / 3, mb / 3, mb / 3)
         else:
             critical = slots * (mb + 2 * send)
+            exposed = 2 * slots * send  # the sends on the critical path
         if m.cores is not None:  # every stage's work through the shared cores
-            critical = max(critical, (w.n_micro * mb + 2 * (n - 1) / n * w.n_micro
-                                      * send) / _share(m, n))
+            critical = max(critical, (w.n_micro * mb + sends * (n - 1) / n
+                                      * w.n_micro * send) / _share(m, n))
         opt = w.psi / n * m.optimizer_s_per_param / _share(m, n)
-        compute, comm = w.n_micro * mb, 2 * w.n_micro * send
-        exposed = 2 * slots * send  # the sends on the critical path
+        compute, comm = w.n_micro * mb, sends * w.n_micro * send
         if w.control_collectives:  # the barrier before, the loss broadcast after
             control = 2 * _small(m, n, 4)
             critical, comm, exposed = (x + control for x in (critical, comm, exposed))

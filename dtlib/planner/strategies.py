@@ -19,7 +19,8 @@ fsdp            torch's FSDP2 (``fully_shard``); ``tp > 1``:   the capstone,
                 FSDP2 x DTensor TP on a (dp, tp) mesh          Chapter 13, bench
 tp              Chapter 5's Megatron TP (the book's f and g)   Chapter 13, bench
 gpipe, 1f1b,    Chapter 6's schedules (zb-h1: the backward      Chapter 13, bench
-zb-h1           split into B and W)
+zb-h1, zb-v     split into B and W; zb-v: two stages a rank,
+                in a V)
 ==============  =============================================  ======================
 
 Taught in: Chapter 10, "The script's structure" (the capstone's rows), and Chapter
@@ -85,9 +86,9 @@ def _tp(o: Options) -> Parallelism:
     return tensor_parallel.parallelism("ours")
 
 
-def _pipe(schedule: str) -> Callable[[Options], Parallelism]:
+def _pipe(schedule: str, chunks: int = 1) -> Callable[[Options], Parallelism]:
     def build(o: Options) -> Parallelism:
-        return pipeline_parallel.parallelism(schedule, o.n_micro)
+        return pipeline_parallel.parallelism(schedule, o.n_micro, chunks=chunks)
     return build
 
 
@@ -112,6 +113,8 @@ class Strategy:
         allocated (FSDP2, TP: a rank then allocates its shards only); else the model
         is allocated and initialised first (DDP broadcasts rank 0's values when it
         wraps, and every rank holds them all anyway).
+    stages_per_rank: a pipeline's stages on each rank (0: not a pipeline); every
+        stage holds a block at least, see :meth:`fits`.
     """
 
     build: Callable[[Options], Parallelism]
@@ -122,6 +125,16 @@ class Strategy:
     autocast: bool = False
     warm_up: Callable[[nn.Module, torch.Tensor], None] | None = None
     shards_on_meta: bool = False
+    stages_per_rank: int = 0
+
+    def fits(self, n_layers: int, world_size: int) -> str | None:
+        """Why this row cannot run a model of ``n_layers`` blocks on ``world_size``
+        ranks (a pipeline needs a block per stage), or None when it can."""
+        stages = self.stages_per_rank * world_size
+        if stages > n_layers:
+            return (f"{n_layers} blocks cannot make {stages} stages "
+                    f"({self.stages_per_rank} a rank on {world_size} ranks)")
+        return None
 
     def parallelism(self, options: Options | None = None) -> Parallelism:
         """The row's Parallelism under ``options``.
@@ -156,9 +169,10 @@ STRATEGIES: dict[str, Strategy] = {
     "fsdp": Strategy(_fsdp, 3, ("mp_policy", "tp"), capstone=True, one_rank=True,
                      shards_on_meta=True),
     "tp": Strategy(_tp, 0),
-    "gpipe": Strategy(_pipe("gpipe"), 0, ("n_micro",)),
-    "1f1b": Strategy(_pipe("1f1b"), 0, ("n_micro",)),
-    "zb-h1": Strategy(_pipe("zb-h1"), 0, ("n_micro",)),
+    "gpipe": Strategy(_pipe("gpipe"), 0, ("n_micro",), stages_per_rank=1),
+    "1f1b": Strategy(_pipe("1f1b"), 0, ("n_micro",), stages_per_rank=1),
+    "zb-h1": Strategy(_pipe("zb-h1"), 0, ("n_micro",), stages_per_rank=1),
+    "zb-v": Strategy(_pipe("zb-v", chunks=2), 0, ("n_micro",), stages_per_rank=2),
 }
 
 

@@ -75,7 +75,9 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
 
     Each strategy is ``build(name)`` in ``run_steps`` on the same global batch
     (``global_batch`` sequences: data-parallel ranks split it, TP ranks and pipeline
-    stages see all of it); ``warmup`` untimed steps first.
+    stages see all of it); ``warmup`` untimed steps first. A pipeline whose stages
+    outnumber the model's blocks at this world size is left out
+    (:meth:`~dtlib.planner.strategies.Strategy.fits` says why).
 
     Args:
         probe: time the inputs that drift (``probe_rate``) after every step, so
@@ -102,6 +104,9 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
         if gauge is not None:
             last.append(probe_rate(gauge))
 
+    n = dist.get_world_size()
+    strategies = tuple(s for s in strategies
+                       if STRATEGIES[s].fits(cfg.n_layers, n) is None)
     for k in range(rounds):
         for name in strategies:
             dist.barrier()

@@ -29,13 +29,15 @@ from dtlib.pipeline_parallel.schedules import idle_fractions, pipeline_step
 from dtlib.pipeline_parallel.split import split_gpt
 from dtlib.pipeline_parallel.zero_bubble import (backward_input, backward_weight,
                                                  gpt_w_bytes, weight_sites)
-from dtlib.pipeline_parallel.zero_bubble_v import torch_orders
+from dtlib.pipeline_parallel.parallelism import stages_of_rank
+from dtlib.pipeline_parallel.zero_bubble_v import pipeline_step_v, torch_orders
 from dtlib.runtime.dist import world
 
 __all__ = ["PP_GPT", "LR", "OPTIMIZER", "VARIANTS", "SPLIT_VARIANTS",
            "lm_loss", "train_pipeline",
            "reference", "compare_all", "timeline_rank", "stage_idle",
-           "split_backward_one_process", "zero_bubble_rank", "mean_durations"]
+           "split_backward_one_process", "zero_bubble_rank", "mean_durations",
+           "v_timeline_rank", "v_schedules_rank"]
 
 # The chapter's GPT, as keyword arguments (ranks rebuild it from these): untied (see
 # dtlib.pipeline_parallel.split), 8 blocks so 2 and 4 stages both split evenly, and
@@ -264,23 +266,64 @@ def mean_durations(per_rank: list[dict[str, Any]], schedule: str) -> dict[str, f
             / sum(1 for e in events if e.kind == k) for k in kinds}
 
 
-def torch_v_orders(gpt: dict = PP_GPT, batch: int = 8,
-                   n_microbatches: int = 4) -> dict[str, Any]:
-    """On every rank: one step of torch's ``ScheduleZBVZeroBubble`` and
-    ``ScheduleDualPipeV`` on the chapter's GPT (two stages per rank, in a V), and the
-    action lists they ran.
+def v_timeline_rank(gpt: dict, batch: int, n_microbatches: int,
+                    repeats: int = 3) -> dict[str, Any]:
+    """On every rank: the measured events of one step of our ZB-V
+    (:func:`~dtlib.pipeline_parallel.zero_bubble_v.pipeline_step_v`, the GPT cut into
+    ``2p`` stages, this rank's two in a V), the fastest of ``repeats`` after a
+    warm-up step, as :func:`timeline_rank` picks it.
+
+    Taught in: Chapter 6, "The V: two chunks per rank"."""
+    cfg = GPTConfig(**gpt)
+    p, rank = dist.get_world_size(), dist.get_rank()
+    stages = split_gpt(build_gpt(cfg, seed=0).to(world().device), 2 * p)
+    mine = [stages[i] for i in stages_of_rank(rank, p, 2, "v")]
+    shape = (batch // n_microbatches, cfg.seq_len, cfg.hidden)
+    idx, tgt = gpt_batches(cfg, batch, world().device)(0)
+    results = []
+    for _ in range(repeats + 1):
+        results.append(pipeline_step_v(mine, idx, tgt, n_microbatches=n_microbatches,
+                                       act_shape=shape, loss_fn=lm_loss))
+        for st in mine:
+            st.zero_grad()
+    spans = torch.tensor([max(e.end for e in r.events) for r in results[1:]],
+                         device=world().device)
+    dist.all_reduce(spans, op=dist.ReduceOp.MAX)
+    best = results[1 + int(spans.argmin())]
+    return {"events": best.events, "peak_in_flight": best.peak_in_flight}
+
+
+def v_schedules_rank(gpt: dict = PP_GPT, batch: int = 8, n_microbatches: int = 8,
+                     steps: int = 3, timeline_gpt: dict | None = None,
+                     timeline_batch: int = 16) -> dict[str, Any]:
+    """On every rank: our ZB-V and torch's ``ScheduleZBVZeroBubble`` trained
+    ``steps`` steps on the chapter's GPT (two stages per rank, in a V), one step of
+    torch's ``ScheduleDualPipeV``, and one measured step of ours
+    (:func:`v_timeline_rank` on ``timeline_gpt``, default ``gpt``).
 
     Returns:
-        Per schedule ``order`` (every rank's compute actions as
-        :func:`~dtlib.pipeline_parallel.zero_bubble_v.torch_orders` reads them),
-        and ``idle_slots`` (the ``None`` entries of this rank's ``pipeline_order``).
+        ``zb-v`` and ``dualpipev``: torch's ``order`` (every rank's compute actions,
+        as :func:`~dtlib.pipeline_parallel.zero_bubble_v.torch_orders` reads them)
+        and ``idle_slots`` (the ``None`` entries of this rank's list); ``ours``:
+        ``param_diff`` (this rank's parameters after ``steps`` against one
+        process's), ``same_bits`` (ours and torch's ZB-V: every loss, gradient and
+        parameter equal bit for bit) and ``timeline``.
 
     Taught in: Chapter 6, "The V: two chunks per rank".
     """
-    out: dict[str, Any] = {}
-    for schedule in ("zb-v", "dualpipev"):
-        run = train_pipeline(gpt, batch, n_microbatches, 1, f"torch-{schedule}",
-                             chunks=2)
-        out[schedule] = {"order": run["torch_order"],
-                         "idle_slots": run["torch_idle_slots"]}
-    return out
+    ref = reference(gpt, batch, steps)
+    ours = train_pipeline(gpt, batch, n_microbatches, steps, "ours-zb-v", chunks=2)
+    zbv = train_pipeline(gpt, batch, n_microbatches, steps, "torch-zb-v", chunks=2)
+    dual = train_pipeline(gpt, batch, n_microbatches, 1, "torch-dualpipev", chunks=2)
+    same = ours["losses"] == zbv["losses"] and all(
+        torch.equal(ours[k][n], zbv[k][n]) for k in ("grads", "params")
+        for n in ours[k])
+    return {"zb-v": {"order": zbv["torch_order"],
+                     "idle_slots": zbv["torch_idle_slots"]},
+            "dualpipev": {"order": dual["torch_order"],
+                          "idle_slots": dual["torch_idle_slots"]},
+            "ours": {"param_diff": _max_diff(ours["params"], ref["params"],
+                                             ours["names"]),
+                     "same_bits": same,
+                     "timeline": v_timeline_rank(timeline_gpt or gpt, timeline_batch,
+                                                 n_microbatches)}}
