@@ -81,9 +81,18 @@ def test_planner_grid_is_dtlib_search(monkeypatch: pytest.MonkeyPatch) -> None:
     grid = ch11.planner_grid()
     for i, model in enumerate(small["model"]):
         settings = {**ch11.DEFAULTS, "model": model, "n_gpus": 64}
-        ranked = search(*ch11.page_problem(settings))
-        n, top = grid["rankings"][i][0][0][0][0]
+        ranked = search(*ch11.page_problem(settings),
+                    schedules=(settings["schedule"],))
+        n, top = grid["rankings"][i][0][0][0][0][0]
         assert n == len(ranked)
         assert top == [[c.label(), e.step_time_s, e.memory_per_gpu_bytes]
                        for c, e in ranked[:ch11.TOP]]
-    assert grid["rankings"][1][0][0][0][0][0] == 0  # 405B does not fit on 64 GPUs
+    assert grid["rankings"][1][0][0][0][0][0][0] == 0  # 405B does not fit on 64 GPUs
+    # the schedule control: ZB-V's pipelines are ranked where the reader picks it
+    zbv = {**ch11.DEFAULTS, "model": "GPT-3 13B", "n_gpus": 128, "schedule": "zb-v"}
+    monkeypatch.setattr(ch11, "CONTROLS", {k: [v] for k, v in zbv.items()})
+    top = ch11.planner_grid()["rankings"][0][0][0][0][0][0][1]
+    ranked = search(*ch11.page_problem(zbv), schedules=("zb-v",))
+    assert top == [[c.label(), e.step_time_s, e.memory_per_gpu_bytes]
+                   for c, e in ranked[:ch11.TOP]]
+    assert {c.schedule for c, _ in ranked if c.pp > 1} == {"zb-v"}

@@ -19,6 +19,7 @@ from dtlib.planner import ClusterSpec, ModelSpec, ParallelConfig, estimate, sear
 from dtlib.planner import published as pub
 from dtlib.planner.counts import flops_per_iteration, megatron_eq3, param_count
 from dtlib.planner.footprint import layer_activation_bytes
+from dtlib.planner.search import candidates as search_candidates
 
 # Eq. 3 of Narayanan et al. 2021 for each Table 1 row, computed once by hand-checked
 # integer arithmetic (96Bslh^2 + 16Bs^2lh + 6BshV) and typed here, so that a change
@@ -250,3 +251,67 @@ def test_gpt_activations_are_chapter1s():
 def test_bad_input_names_the_field(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+# ---- the pipeline's schedule -----------------------------------------------------
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_the_schedules_bubble_is_chapter_6s_ideal_clock(p):
+    # F, B and W a third of a micro-batch each (1F1B's backward is B + W): the idle
+    # over the ideal compute of 3m thirds; sums of whole slots and halves, exact
+    from dtlib.pipeline_parallel.schedules import simulate
+    from dtlib.pipeline_parallel.zero_bubble_v import play_v, step_time, zbv_orders
+    from dtlib.planner.estimate import pipeline_bubble
+
+    for m in range(1, 3 * p + 2):
+        clock = {"1f1b": max(e.end for e in simulate("1f1b", p, m, 1.0, 2.0)),
+                 "zb-h1": max(e.end for e in simulate("zb-h1", p, m, 1.0, 1.0, 1.0)),
+                 "zb-v": step_time(play_v(zbv_orders(p, m)))}
+        for schedule, step in clock.items():
+            assert pipeline_bubble(schedule, p, m) == pytest.approx(
+                (step - 3 * m) / (3 * m), rel=1e-12, abs=0), (schedule, p, m)
+
+
+def test_the_zero_bubble_schedules_trade_idle_for_memory_and_messages():
+    model = ModelSpec(n_layers=32, hidden=4096, n_heads=32, vocab_size=50257,
+                      seq_len=2048)
+    cluster = ClusterSpec.preset("A100-80GB", 64)
+    est = {s: estimate(model, cluster, ParallelConfig(dp=2, tp=8, pp=4, schedule=s,
+                                                      recompute="selective"), 16)
+           for s in ("1f1b", "zb-h1", "zb-v")}
+    bubble = {s: e.breakdown.time_s["bubble"] for s, e in est.items()}
+    assert bubble["1f1b"] > bubble["zb-h1"] > bubble["zb-v"] > 0
+    m = est["1f1b"].n_micro
+    assert bubble["zb-h1"] == pytest.approx(bubble["1f1b"] / 3)  # m = 8 >= p
+    assert est["zb-v"].bubble_fraction == pytest.approx((4 - 1) / 2 / (3 * m))
+    pp = {s: e.breakdown.time_s["pp"] for s, e in est.items()}
+    assert pp["zb-h1"] == pp["1f1b"] and pp["zb-v"] == pytest.approx(2 * pp["1f1b"])
+    # the held W's output gradients: 16-bit, (4h + 2kv + f) a token, per layer and
+    # waiting micro-batch (min(pp, m) of them) on tp ranks
+    per_w = 2 * 2048 * (4 * 4096 + 2 * 4096 + 4 * 4096) / 8
+    extra = 4 * 8 * per_w  # min(pp, m) = 4 waiting, 8 layers a stage
+    for s in ("zb-h1", "zb-v"):
+        got = est[s].breakdown.memory_bytes["activations"]
+        assert got - est["1f1b"].breakdown.memory_bytes["activations"] == \
+            pytest.approx(extra)
+    assert "zb-v" in est["zb-v"].config.label()
+    with pytest.raises(ValueError, match="schedule='zb-v2' is not one of"):
+        ParallelConfig(dp=1, tp=1, pp=2, schedule="zb-v2")
+    with pytest.raises(ValueError, match="ZB-V: two stages a rank"):
+        estimate(ModelSpec(n_layers=4, hidden=64, n_heads=4, vocab_size=64,
+                           seq_len=16), ClusterSpec.preset("A100-80GB", 4),
+                 ParallelConfig(dp=1, tp=1, pp=4, schedule="zb-v"), 4)
+
+
+def test_search_tries_a_schedule_only_where_it_fits():
+    model = ModelSpec(n_layers=4, hidden=512, n_heads=8, vocab_size=1024,
+                      seq_len=512)
+    cluster = ClusterSpec.preset("A100-80GB", 8)
+    configs = list(search_candidates(model, cluster, 16))
+    assert {c.schedule for c in configs} == {"1f1b"}
+    with_zb = list(search_candidates(model, cluster, 16,
+                                     schedules=("1f1b", "zb-h1", "zb-v")))
+    assert all(c.schedule == "1f1b" for c in with_zb if c.pp == 1)
+    assert all(c.pp <= 2 for c in with_zb if c.schedule == "zb-v")
+    assert {c.schedule for c in with_zb if c.pp == 2} == {"1f1b", "zb-h1", "zb-v"}
+    assert {c.schedule for c in with_zb if c.pp == 4} == {"1f1b", "zb-h1"}

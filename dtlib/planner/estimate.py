@@ -15,8 +15,12 @@ Llama 3 by a few percent at most (Chapter 13, "The planner with time").
 
 - compute: FLOPs per iteration (``counts.flops_per_iteration``) over
   n_gpus x peak_flops x compute_efficiency;
-- bubble: compute x (pp - 1) / m, the idle fraction of non-interleaved 1F1B
-  (Chapter 6; Narayanan §2.2.1);
+- bubble: compute x the schedule's idle over its ideal step (``pipeline_bubble``):
+  (pp - 1) / m for non-interleaved 1F1B (Chapter 6; Narayanan §2.2.1); for the
+  zero-bubble schedules, with F, B and W a third of the compute each (the backward
+  twice the forward, split evenly), ZB-H1 idles max(pp - 1, 2pp - 1 - m) and ZB-V
+  max((pp - 1)/2, 2pp - 1 - m) of those thirds (Chapter 6's ideal clock; Qi et
+  al. 2024);
 - tp: per layer and micro-batch, 2 all-reduces forward and 2 backward (f and g,
   Chapter 5), 2 more forward under full recomputation, each of the 2sbh-byte
   activation, on NVLink when the tp group fits in a node;
@@ -24,7 +28,8 @@ Llama 3 by a few percent at most (Chapter 13, "The planner with time").
   reduce-scatter of their gradients backward (one more all-gather under full
   recomputation);
 - pp: per micro-batch one activation forward and one gradient backward between
-  neighbouring stages (scattered over tp with sequence parallelism);
+  neighbouring stages (scattered over tp with sequence parallelism); twice as many
+  under ZB-V, whose ranks hold two stages each;
 - dp: the 16-bit gradients of this rank's parameters, once per iteration:
   all-reduce (ZeRO 0) or reduce-scatter + all-gather of the parameters (ZeRO 1, 2:
   the same bytes); ZeRO-3 gathers the parameters forward and backward and
@@ -49,9 +54,29 @@ from dtlib.collectives.cost_model import collective_time
 from dtlib.planner.counts import flops_per_iteration, param_count
 from dtlib.planner.overlap import Comm, two_streams
 from dtlib.planner.footprint import memory_breakdown
-from dtlib.planner.specs import ClusterSpec, ModelSpec, ParallelConfig
+from dtlib.planner.specs import PP_SCHEDULES, ClusterSpec, ModelSpec, ParallelConfig
 
 TIME_TERMS = ("compute", "bubble", "tp", "cp", "pp", "dp")
+
+
+def pipeline_bubble(schedule: str, pp: int, m: int) -> float:
+    """The pipeline's idle time over its ideal compute, on Chapter 6's ideal clock:
+    ``(pp - 1) / m`` for 1F1B; for ZB-H1 and ZB-V, with F, B and W a third of a
+    micro-batch's compute each, ``max(pp - 1, 2pp - 1 - m) / 3m`` and ``max((pp -
+    1)/2, 2pp - 1 - m) / 3m`` (``tests/test_planner.py`` holds them to Chapter 6's
+    ``simulate`` and ``play_v``).
+
+    Taught in: Chapter 11, a planner checked against published runs.
+    """
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {PP_SCHEDULES}")
+    for name, v in (("pp", pp), ("m", m)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if schedule == "1f1b":
+        return (pp - 1) / m
+    fill = pp - 1 if schedule == "zb-h1" else (pp - 1) / 2
+    return max(fill, 2 * pp - 1 - m) / (3 * m)
 _WHAT = {"compute": "compute", "bubble": "the pipeline bubble",
          "tp": "tensor-parallel all-reduces", "cp": "context-parallel K/V exchange",
          "pp": "pipeline sends", "dp": "data-parallel gradient traffic"}
@@ -113,7 +138,8 @@ class Estimate:
     tflops_per_gpu: flops_per_iteration / step_time / n_gpus / 1e12, the
         measure of Narayanan et al. 2021 Tables 1-2 and Dubey et al. 2024 Table 4.
     mfu: model_flops_per_iteration / step_time / n_gpus / peak_flops.
-    bubble_fraction: (pp - 1) / m, idle time relative to the ideal compute.
+    bubble_fraction: :func:`pipeline_bubble`, idle time relative to the ideal
+        compute ((pp - 1) / m under 1F1B).
     n_micro: micro-batches per replica per iteration (m).
     breakdown: the :class:`Breakdown`.
     """
@@ -145,9 +171,12 @@ def _check(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     if model.n_heads % config.tp:
         raise ValueError(f"config.tp={config.tp} must divide "
                          f"n_heads={model.n_heads}")
-    if config.pp > model.n_layers:
+    stages = config.pp * (2 if config.schedule == "zb-v" else 1)
+    if stages > model.n_layers:
         raise ValueError(f"config.pp={config.pp} must be <= "
-                         f"n_layers={model.n_layers}")
+                         f"n_layers={model.n_layers}" + (
+                             " / 2 (ZB-V: two stages a rank)"
+                             if config.schedule == "zb-v" else ""))
     if model.seq_len % config.cp:
         raise ValueError(f"config.cp={config.cp} must divide "
                          f"seq_len={model.seq_len}")
@@ -186,7 +215,8 @@ def _communication(model: ModelSpec, cluster: ClusterSpec, c: ParallelConfig,
                                                    bw["cp"], cluster)
                         + _ring("reduce_scatter", kv, c.cp, bw["cp"], cluster))
     send = sbh2 / (c.tp if c.sequence_parallel else 1)
-    t["pp"] = 0.0 if c.pp == 1 else 2 * m * (cluster.latency_s + send / bw["pp"])
+    sends = 4 if c.schedule == "zb-v" else 2  # a V rank sends for two stages
+    t["pp"] = 0.0 if c.pp == 1 else sends * m * (cluster.latency_s + send / bw["pp"])
     grads = 2 * -(-n_params // (c.tp * c.pp))  # 16-bit, this rank's share
     n_dp = c.dp * c.cp
     if c.zero_stage == 3:
@@ -262,8 +292,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
     flops = flops_per_iteration(model, global_batch, config.recompute)
     model_flops = flops_per_iteration(model, global_batch, "none")
     rate = cluster.n_gpus * cluster.peak_flops * cluster.compute_efficiency
-    time_s = {"compute": flops / rate,
-              "bubble": flops / rate * (config.pp - 1) / m}
+    bubble = pipeline_bubble(config.schedule, config.pp, m)
+    time_s = {"compute": flops / rate, "bubble": flops / rate * bubble}
     comm, links = _communication(model, cluster, config, n_params, m)
     if overlap:
         dp_bw = cluster.intra_node_bw if links.get("dp") == "intra" \
@@ -279,5 +309,5 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, config: ParallelConfig,
         flops_per_iteration=flops, model_flops_per_iteration=model_flops,
         step_time_s=step, tflops_per_gpu=flops / step / cluster.n_gpus / 1e12,
         mfu=model_flops / step / cluster.n_gpus / cluster.peak_flops,
-        bubble_fraction=(config.pp - 1) / m, n_micro=m,
+        bubble_fraction=bubble, n_micro=m,
         breakdown=Breakdown(time_s, memory, links, limit))

@@ -13,8 +13,12 @@
   attention runs blockwise (ring or all-gathered K/V with a FlashAttention-style
   kernel), so the s x s scores are never stored: "none" then saves what
   "selective" saves.
-- Pipeline (non-interleaved 1F1B): the first stage has ceil(l / pp) layers and
-  holds min(pp, m) micro-batches in flight.
+- Pipeline: the first stage has ceil(l / pp) layers and holds min(pp, m)
+  micro-batches in flight (1F1B; ZB-H1 holds as many on every stage, ZB-V on
+  every rank, Chapter 6). The zero-bubble schedules also keep, for each W not yet
+  run, the 16-bit gradient of every weight-owning module's output: per layer and
+  token ``4h + 2 kv + f`` values (``+ 2f`` for a gated MLP), over tp; the last stage
+  waits for up to min(pp, m) of them (ZB-H1; ZB-V's ranks fewer), counted on top.
 - Full recomputation also needs one layer's activations while it is recomputed.
 
 Taught in: Chapter 11, a planner checked against published runs.
@@ -87,5 +91,10 @@ def memory_breakdown(model: ModelSpec, config: ParallelConfig, n_params: int,
                                               recompute=c.recompute, **kw)
     if c.recompute == "full":
         acts += layer_activation_bytes(model, c.micro_batch, recompute="none", **kw)
+    if c.pp > 1 and c.schedule != "1f1b":  # output gradients held for the W's
+        f = model.ffn_hidden * (2 if model.gated_mlp else 1)
+        per_token = 4 * model.hidden + 2 * model.kv_hidden + f
+        tokens = model.seq_len // c.cp * c.micro_batch
+        acts += min(c.pp, n_micro) * stage_layers * 2 * tokens * per_token / c.tp
     return {"params": states.params, "grads": states.grads,
             "optimizer": states.optimizer, "activations": acts}

@@ -19,7 +19,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                micro_batches: Iterable[int] = (1, 2, 4, 8),
                zero_stages: Iterable[int] = (0, 1, 2, 3),
                recomputes: Iterable[str] = RECOMPUTE,
-               cps: Iterable[int] | None = None) -> Iterator[ParallelConfig]:
+               cps: Iterable[int] | None = None,
+               schedules: Iterable[str] = ("1f1b",)) -> Iterator[ParallelConfig]:
     """Every configuration the planner considers, valid for this model and batch.
 
     tp divides n_heads and the node size, so each tp group sits inside a node
@@ -30,6 +31,8 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
     Args:
         model, cluster, global_batch: the problem.
         micro_batches, zero_stages, recomputes, cps: the values to try.
+        schedules: the pipeline schedules to try where pp > 1 (default 1F1B;
+            ``PP_SCHEDULES`` has the zero-bubble ones; ZB-V needs 2 pp <= l).
     Yields:
         :class:`ParallelConfig` with dp * cp * pp * tp == cluster.n_gpus.
 
@@ -52,10 +55,15 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, global_batch: int, *,
                 for b in micro_batches:
                     if global_batch % (dp * b):
                         continue
-                    for z in zero_stages:
-                        for r in recomputes:
-                            yield ParallelConfig(dp=dp, tp=tp, pp=pp, zero_stage=z,
-                                                 micro_batch=b, recompute=r, cp=cp)
+                    for sched in (schedules if pp > 1 else ("1f1b",)):
+                        if sched == "zb-v" and 2 * pp > model.n_layers:
+                            continue
+                        for z in zero_stages:
+                            for r in recomputes:
+                                yield ParallelConfig(dp=dp, tp=tp, pp=pp,
+                                                     zero_stage=z, micro_batch=b,
+                                                     recompute=r, cp=cp,
+                                                     schedule=sched)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
@@ -66,8 +74,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, global_batch: int,
         model: the :class:`ModelSpec`.
         cluster: the :class:`ClusterSpec`.
         global_batch: sequences per iteration.
-        options: ``micro_batches``, ``zero_stages``, ``recomputes``, ``cps`` as in
-            :func:`candidates`.
+        options: ``micro_batches``, ``zero_stages``, ``recomputes``, ``cps``,
+            ``schedules`` as in :func:`candidates`.
     Returns:
         ``[(config, estimate), ...]`` sorted by ``estimate.step_time_s`` (ties:
         less memory first); empty when nothing fits.

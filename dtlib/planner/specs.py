@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 RECOMPUTE = ("none", "selective", "full")
+#: The pipeline schedules the planner prices (Chapter 6): 1F1B, and the zero-bubble
+#: ZB-H1 and ZB-V (two stages a rank, in a V), whose backward is split into B and W.
+PP_SCHEDULES = ("1f1b", "zb-h1", "zb-v")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -174,7 +177,7 @@ class ParallelConfig:
 
     dp: data-parallel replicas (each sees global_batch / dp sequences).
     tp: tensor-parallel ranks inside a layer (Megatron; Chapter 5).
-    pp: pipeline stages (non-interleaved 1F1B; Chapter 6).
+    pp: pipeline ranks (Chapter 6); ``schedule`` says how they run.
     zero_stage: 0-3, sharding over the dp x cp ranks (Chapter 4); 3 is FSDP.
     micro_batch: sequences per micro-batch on one replica (b).
     recompute: "none", "selective" (attention core; what FlashAttention also does)
@@ -183,6 +186,8 @@ class ParallelConfig:
     sequence_parallel: Megatron sequence parallelism inside the tp group
         (Korthikanti et al. 2022); it changes memory only, its all-gather +
         reduce-scatter cost what the all-reduce they replace costs.
+    schedule: the pipeline's schedule, one of :data:`PP_SCHEDULES` ("zb-v": each
+        of the pp ranks holds two stages, so 2 pp <= n_layers).
     """
 
     dp: int
@@ -193,6 +198,7 @@ class ParallelConfig:
     recompute: str = "none"
     cp: int = 1
     sequence_parallel: bool = True
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "cp"):
@@ -201,6 +207,9 @@ class ParallelConfig:
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        if self.schedule not in PP_SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of "
+                             f"{PP_SCHEDULES}")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} "
                              "must be True or False")
@@ -213,5 +222,7 @@ class ParallelConfig:
     def label(self) -> str:
         """A short name such as ``dp4 tp8 pp12 z0 b1 full``."""
         cp = f" cp{self.cp}" if self.cp > 1 else ""
+        schedule = f" {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" \
+            else ""
         return (f"dp{self.dp} tp{self.tp} pp{self.pp}{cp} z{self.zero_stage} "
-                f"b{self.micro_batch} {self.recompute}")
+                f"b{self.micro_batch} {self.recompute}{schedule}")

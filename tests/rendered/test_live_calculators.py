@@ -81,7 +81,8 @@ def expected_memory(settings: dict, lang: str = "en") -> dict[str, str]:
 
 
 def expected_planner(settings: dict, lang: str = "en") -> dict[str, object]:
-    ranked = search(*ch11.page_problem(settings))
+    ranked = search(*ch11.page_problem(settings),
+                    schedules=(settings["schedule"],))
     top = ranked[:ch11.TOP]
     with speaking(lang):
         count = (_("{n} configurations fit; the fastest {k}:").format(

@@ -1,9 +1,9 @@
 """Chapter 11's parallel planner, live in the static page.
 
 For every value its controls offer (model, GPUs, GPU memory, global batch, sequence
-length) :func:`dtlib.planner.search` ran here, at build time; the page keeps how many
-configurations fit and the fastest few, with the planner's memory per GPU and
-estimated step time, and shows the ones the reader's setting selects.
+length, pipeline schedule) :func:`dtlib.planner.search` ran here, at build time; the
+page keeps how many configurations fit and the fastest few, with the planner's memory
+per GPU and estimated step time, and shows the ones the reader's setting selects.
 
 Taught in: Chapter 11, choosing the degrees: a planner.
 """
@@ -15,11 +15,12 @@ from dataclasses import replace
 from typing import Any
 
 from dtlib.chapters.live import LiveCalculator, both, in_both, select
-from dtlib.planner import ClusterSpec, ModelSpec, search
+from dtlib.planner import (PP_SCHEDULES, ClusterSpec, Estimate, ModelSpec,
+                           ParallelConfig, search)
 from dtlib.planner.published import GPT_VOCAB, LLAMA3_405B
 from dtlib.runtime.i18n import N_
 
-__all__ = ["CONTROLS", "DEFAULTS", "MODELS", "TOP", "page_problem",
+__all__ = ["CONTROLS", "DEFAULTS", "MODELS", "TOP", "page_problem", "page_search",
            "planner_calculator", "planner_grid"]
 
 #: The models the page offers (shapes at sequence length 2048; the control sets it).
@@ -29,20 +30,21 @@ MODELS: dict[str, ModelSpec] = {
     "Llama 3 405B": ModelSpec(seq_len=2048, **LLAMA3_405B),
 }
 #: The values each control offers; the grid holds a search for every combination
-#: (48 of them: a few seconds when the book is built).
+#: (144 of them: a few seconds when the book is built).
 CONTROLS: dict[str, list[Any]] = {
     "model": list(MODELS),
     "n_gpus": [128, 1024],
     "memory_gib": [40, 80],  # the A100's two sizes
     "global_batch": [512, 2048],
     "seq_len": [2048, 8192],
+    "schedule": list(PP_SCHEDULES),  # the pipeline's, where pp > 1 (Chapter 6)
 }
 DEFAULTS: dict[str, Any] = {"model": "GPT-3 175B", "n_gpus": 1024, "memory_gib": 80,
-                            "global_batch": 2048, "seq_len": 2048}
+                            "global_batch": 2048, "seq_len": 2048, "schedule": "1f1b"}
 _LABELS = {"model": N_("model"), "n_gpus": N_("GPUs"),
            "memory_gib": N_("GPU memory (GiB)"),
            "global_batch": N_("global batch (sequences)"),
-           "seq_len": N_("sequence length")}
+           "seq_len": N_("sequence length"), "schedule": N_("pipeline schedule")}
 #: Configurations shown per setting, fastest first.
 TOP = 5
 # The A100 of the chapter's Megatron-LM runs (40 or 80 GiB: the control sets it).
@@ -65,6 +67,15 @@ def page_problem(settings: dict[str, Any]) -> tuple[ModelSpec, ClusterSpec, int]
     return model, cluster, settings["global_batch"]
 
 
+def page_search(settings: dict[str, Any]) -> list[tuple[ParallelConfig, Estimate]]:
+    """The planner's ranking for a setting of the page's controls: the search of
+    :func:`page_problem`, its pipelines run by the chosen schedule.
+
+    Taught in: Chapter 11, choosing the degrees: a planner.
+    """
+    return search(*page_problem(settings), schedules=(settings["schedule"],))
+
+
 def planner_grid() -> dict[str, Any]:
     """Every ranking the page can show, from :func:`dtlib.planner.search`.
 
@@ -79,7 +90,7 @@ def planner_grid() -> dict[str, Any]:
 
     def build(i: int, settings: dict[str, Any]) -> Any:
         if i == len(keys):
-            ranked = search(*page_problem(settings))
+            ranked = page_search(settings)
             return [len(ranked), [[c.label(), e.step_time_s, e.memory_per_gpu_bytes]
                                   for c, e in ranked[:TOP]]]
         return [build(i + 1, {**settings, keys[i]: v}) for v in CONTROLS[keys[i]]]
