@@ -116,14 +116,16 @@ def zero_rank() -> dict[str, float]:
 
 
 def pipeline_rank() -> dict[str, Any]:
-    """Chapter 6: teaching GPipe/1F1B and torch's 1F1B against one process."""
+    """Chapter 6: teaching GPipe/1F1B/ZB-H1/ZB-V and torch's 1F1B against one
+    process (ZB-V: its messages ordered for NCCL by ``v_p2p_plan``)."""
     from dtlib.chapters.ch06_pipeline_parallel.runs import compare_all
 
     PP_GPT = dataclasses.asdict(size("pipeline"))  # the chapter's eight blocks
 
     m = 2 * dist.get_world_size()
     out = compare_all(PP_GPT, batch=2 * m, n_microbatches=m, steps=3,
-                      variants=("ours-gpipe", "ours-1f1b", "torch-1f1b"))
+                      variants=("ours-gpipe", "ours-1f1b", "torch-1f1b",
+                                "ours-zb-h1", "ours-zb-v"))
     out.pop("ref_losses")
     return {k: {d: v[d] for d in ("loss_diff", "grad_diff", "param_diff")}
             for k, v in out.items()}

@@ -24,12 +24,12 @@ from dtlib.models.reference import gpt_batches, reference_gpt_run
 from dtlib.models.run import RunConfig, TrainState, run_steps
 from dtlib.models.sizes import size
 from dtlib.pipeline_parallel import lm_loss, parallelism
-from dtlib.pipeline_parallel.parallelism import TORCH_SCHEDULES
+from dtlib.pipeline_parallel.parallelism import (OUR_V_SCHEDULES, TORCH_SCHEDULES,
+                                                 stages_of_rank)
 from dtlib.pipeline_parallel.schedules import idle_fractions, pipeline_step
 from dtlib.pipeline_parallel.split import split_gpt
 from dtlib.pipeline_parallel.zero_bubble import (backward_input, backward_weight,
                                                  gpt_w_bytes, weight_sites)
-from dtlib.pipeline_parallel.parallelism import stages_of_rank
 from dtlib.pipeline_parallel.zero_bubble_v import pipeline_step_v, torch_orders
 from dtlib.runtime.dist import world
 
@@ -134,7 +134,8 @@ def compare_all(gpt: dict = PP_GPT, batch: int = 8, n_microbatches: int = 4,
 
     Returns:
         ``{variant: {"losses", "loss_diff", "grad_diff", "param_diff", "moved",
-        "n_params", "vs_teaching", ...}}`` where diffs are max absolute
+        "n_params", "vs_teaching", ...}}`` (a V-shaped schedule on two stages a
+        rank, its names those of both) where diffs are max absolute
         differences over this stage's parameters and ``moved`` the largest change
         training made to any of them; ``"ref_losses"``.
 
@@ -145,7 +146,10 @@ def compare_all(gpt: dict = PP_GPT, batch: int = 8, n_microbatches: int = 4,
     teaching: dict[str, dict[str, torch.Tensor]] = {}
     for variant in variants:
         kind, schedule = variant.split("-", 1)
-        r = train_pipeline(gpt, batch, n_microbatches, steps, variant)
+        v_shaped = schedule in OUR_V_SCHEDULES or (
+            kind == "torch" and TORCH_SCHEDULES.get(schedule, ("", 1, ""))[2] == "v")
+        r = train_pipeline(gpt, batch, n_microbatches, steps, variant,
+                           chunks=2 if v_shaped else 1)
         names = r["names"]
         out[variant] = {
             "losses": r["losses"],
