@@ -86,6 +86,85 @@ def _alt_texts_as_messages(app: Any, doctree: Any) -> None:
             doctree.append(para)
 
 
+def _is_exercise_title(node: Any) -> bool:
+    """sphinx-exercise's node for the title an ``{exercise}`` fence gives."""
+    return type(node).__name__ == "exercise_subtitle"
+
+
+def _title_text(node: Any) -> str:
+    """An exercise title as its fence wrote it (smart quotes made straight again, as
+    the page's other messages keep them)."""
+    text = node.astext().strip()
+    for curly, straight in (("\u2019", "'"), ("\u2018", "'"), ("\u201c", '"'),
+                            ("\u201d", '"')):
+        text = text.replace(curly, straight)
+    return text
+
+
+def _exercise_titles_as_messages(app: Any, doctree: Any) -> None:
+    """For the catalogs (the gettext builder only): each exercise's title, which
+    sphinx-exercise keeps in a node the gettext builder skips, becomes a message of
+    its page, at the line of its ``{exercise}`` fence."""
+    from docutils import nodes
+
+    if app.builder.name != "gettext":
+        return
+    for node in list(doctree.findall(_is_exercise_title)):
+        title = _title_text(node)
+        if title:
+            para = nodes.paragraph(title, title)
+            para.source = node.parent.source or doctree.get("source")
+            para.line = node.parent.line
+            doctree.append(para)
+
+
+def _page_catalog(app: Any, docname: str) -> Any:
+    """The catalog of ``docname`` in this edition's language (None: English, or no
+    catalog)."""
+    from sphinx.locale import init as init_locale
+    from sphinx.util.i18n import docname_to_domain
+
+    if not app.config.language or app.config.language == "en":
+        return None
+    domain = docname_to_domain(docname, app.config.gettext_compact)
+    catalog, found = init_locale(list(app.config.locale_dirs), app.config.language,
+                                 domain)
+    return catalog if found else None
+
+
+def _translate_exercise_titles(app: Any, doctree: Any) -> None:
+    """In an edition of another language, each exercise's title from its catalog
+    (when the page is read: sphinx-exercise folds the title into another node when
+    the page is resolved)."""
+    from docutils import nodes
+
+    catalog = _page_catalog(app, app.env.docname)
+    if catalog is None:
+        return
+    for node in doctree.findall(_is_exercise_title):
+        title = _title_text(node)
+        if title and catalog.gettext(title) != title:
+            node.children = []
+            node += nodes.Text(catalog.gettext(title))
+
+
+def _exercise_words(app: Any) -> None:
+    """sphinx-exercise's own words (its "Solution" has no Chinese in its catalog):
+    ``_ext/locale/<language>/LC_MESSAGES/exercise.po``, compiled here, is added to
+    its message catalog (a message it has keeps its translation)."""
+    import os
+
+    from sphinx.util.i18n import CatalogInfo
+
+    language = app.config.language
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locale")
+    folder = os.path.join(here, language or "", "LC_MESSAGES")
+    if not language or not os.path.isfile(os.path.join(folder, "exercise.po")):
+        return
+    CatalogInfo(folder, "exercise", "utf-8").write_mo(language)
+    app.add_message_catalog("exercise", here)
+
+
 def _translate_alt_texts(app: Any, doctree: Any, docname: str) -> None:
     """In an edition of another language, each figure's alt text from its catalog."""
     from docutils import nodes
@@ -220,8 +299,11 @@ def _translate_toctree_captions(app: Any, doctree: Any) -> None:
 
 def setup(app: Any) -> dict:
     _glue_in_translations()
+    _exercise_words(app)
     app.connect("html-page-context", _add_link)
     app.connect("doctree-read", _alt_texts_as_messages)
+    app.connect("doctree-read", _exercise_titles_as_messages)
+    app.connect("doctree-read", _translate_exercise_titles)
     # before Sphinx's toctree collector (priority 500) records the captions
     app.connect("doctree-read", _translate_toctree_captions, priority=400)
     app.connect("doctree-resolved", _translate_alt_texts)

@@ -49,6 +49,8 @@ PROSE_JS = r"""
     sidebar: [...document.querySelectorAll(".bd-sidebar-primary .caption-text")]
         .map(e => e.innerText.trim()),
     pending: !!main.querySelector(".translation-pending"),
+    titles: [...main.querySelectorAll(".admonition-title")]
+        .map(e => (e.innerText || "").replace(/\s+/g, " ").trim()),
   };
 })()
 """
@@ -87,6 +89,25 @@ MOJIBAKE = re.compile(f"\ufffd|[\u00c2\u00c3][{_CONT}]|[\u00e3-\u00e9][{_CONT}]{
 def still_english(block: str, min_words: int = 5) -> bool:
     """A block of prose with no Chinese and at least ``min_words`` English words."""
     return not CJK.search(block) and len(LATIN_WORD.findall(block)) >= min_words
+
+
+def english_titles(titles: list[str]) -> list[str]:
+    """Admonition titles (an exercise's, its solution's) with an English word left in
+    them: "练习 1 (Predict an all-reduce)", "Solution". Names in code stay English, so
+    a word counts only outside one ("练习 3 (以 reduce_dtype 做 ...)" passes)."""
+    out = []
+    for t in titles:
+        words = [w for w in LATIN_WORD.findall(re.sub(r"\b\w*_\w*\b", " ", t))
+                 if w.lower() not in _KEPT_WORDS]
+        if words and not CJK.search(t.split("(", 1)[-1]) or t == "Solution":
+            out.append(t)
+    return out
+
+
+#: words a Chinese title keeps in English: the glossary's, and names
+_KEPT_WORDS = {w.lower() for t in catalogs.glossary() if t.chinese == t.english
+               for w in LATIN_WORD.findall(t.english)} | {
+    "ddp", "gpipe", "zero", "fsdp", "bf", "fp", "trace", "distributedsampler"}
 
 
 def _zh_pages() -> list[Path]:
@@ -168,6 +189,16 @@ def test_no_paragraph_of_prose_is_still_english(zh_rendered) -> None:
     assert not found, book._report(found, "blocks of prose still in English")
 
 
+def test_exercise_and_solution_titles_are_chinese(zh_rendered) -> None:
+    # sphinx-exercise keeps an exercise's title where the gettext builder does not
+    # look, and its catalog has no Chinese "Solution": _ext/editions.py supplies both
+    found = {p: english_titles(f["titles"]) for p, f in zh_rendered.items()
+             if not _is_pending(p)}
+    found = {p: v for p, v in found.items() if v}
+    assert not found, book._report(found, "exercise or solution titles in English")
+    assert any(t.startswith("练习") for f in zh_rendered.values() for t in f["titles"])
+
+
 def test_a_page_still_being_translated_says_so_and_no_other_does(zh_rendered) -> None:
     wrong = {p: f["pending"] for p, f in zh_rendered.items()
              if f["pending"] != _is_pending(p)}
@@ -203,6 +234,10 @@ def test_the_detectors_catch_planted_defects() -> None:
     assert not still_english("`torch.distributed` all-reduce")  # names, not prose
     assert MOJIBAKE.search("æ•°æ®å¹¶è¡Œ")  # 数据并行 as UTF-8 read as cp1252
     assert MOJIBAKE.search("caf\ufffd") and not MOJIBAKE.search("数据并行 café")
+    assert english_titles(["练习 1 (Predict an all-reduce)", "Solution", "解答",
+                           "练习 2 (预测一次 all-reduce)", "练习 3 (以 reduce_dtype 做 "
+                           "reduce-scatter)", "练习 4 (分发)"]) == [
+        "练习 1 (Predict an all-reduce)", "Solution"]
     binary = find_chromium()
     if binary is None:
         pytest.skip("no Chromium for the glyph check")
