@@ -268,6 +268,18 @@ def test_control_collectives_are_counted_where_the_book_issues_them():
                      - predict(name, plain, gpu, 4).exposed_s, ar)
 
 
+def test_a_split_backwards_machinery_is_shared_by_the_stages():
+    w = Workload(MODEL, global_batch=8, n_micro=8)
+    base = machine(cores=None)
+    busy = machine(cores=None, overhead_s={"zb-h1": 0.02, "zb-v": 0.04})
+    for name, seconds in (("zb-h1", 0.02), ("zb-v", 0.04)):
+        for n in (2, 4):
+            a, b = predict(name, w, base, n), predict(name, w, busy, n)
+            assert close(b.total_s - a.total_s, seconds / n), (name, n)
+            assert close(b.compute_s - a.compute_s, seconds / n), (name, n)
+    assert close(predict("1f1b", w, busy, 4).total_s, predict("1f1b", w, base, 4).total_s)
+
+
 def test_a_strategys_machinery_is_charged_as_compute_at_its_measured_seconds():
     w = Workload(MODEL, global_batch=8)
     base = machine(cores=2)  # 4 ranks on 2 cores: the layers on half a core each

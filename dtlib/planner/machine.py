@@ -57,7 +57,9 @@ class Machine:
         where no byte moves (hooks, the tensors it builds, its Python): measured
         on a one-rank world as the strategy's step minus the plain step, and
         charged as compute at those seconds (it runs between collectives, while
-        other ranks wait in them, not queued behind their layers). Absent: 0.
+        other ranks wait in them, not queued behind their layers); for a pipeline
+        whose backward is split (zb-h1, zb-v), what the split adds to 1F1B's step
+        on one stage, each of the n stages charged its 1/n. Absent: 0.
     """
 
     name: str

@@ -382,8 +382,12 @@ def predict(strategy: str, w: Workload, m: Machine, world_size: int) -> StepTime
         if m.cores is not None:  # every stage's work through the shared cores
             critical = max(critical, (w.n_micro * mb + sends * (n - 1) / n
                                       * w.n_micro * send) / _share(m, n))
+        # the split backward's machinery (a B and a W call per module, measured on
+        # one rank against 1F1B there): each stage runs its share of the modules
+        machinery = m.overhead_s.get(strategy, 0.0) / n
+        critical += machinery
         opt = w.psi / n * m.optimizer_s_per_param / _share(m, n)
-        compute, comm = w.n_micro * mb, sends * w.n_micro * send
+        compute, comm = w.n_micro * mb + machinery, sends * w.n_micro * send
         if w.control_collectives:  # the barrier before, the loss broadcast after
             control = 2 * _small(m, n, 4)
             critical, comm, exposed = (x + control for x in (critical, comm, exposed))

@@ -37,7 +37,8 @@ from dtlib.planner.strategies import STRATEGIES, Options, one_rank_names
 from dtlib.runtime import dist as ddist
 
 __all__ = ["TIME_GPT", "BUCKET_CAP_MB", "N_MICRO", "BAND", "build",
-           "DATA_PARALLEL", "measure_overheads", "time_strategies", "profile_step",
+           "DATA_PARALLEL", "SPLIT_BACKWARD", "measure_overheads", "time_strategies",
+           "profile_step",
            "workload_of", "compare"]
 
 #: The GPT every strategy trains here: 4 blocks (2 and 4 stages), 8 heads (tp 2, 4),
@@ -131,16 +132,21 @@ def time_strategies(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
 #: The modelled strategies whose machinery runs on a one-rank world as on N ranks,
 #: less the bytes (a pipeline or a TP plan needs its peers): :func:`measure_overheads`.
 DATA_PARALLEL = tuple(n for n in one_rank_names() if n in MODELLED)
+#: The pipelines whose backward is split into B and W: on one rank (one stage, or
+#: ZB-V's two) their machinery is what the split adds to 1F1B's step there.
+SPLIT_BACKWARD = ("zb-h1", "zb-v")
 
 
 def measure_overheads(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
                       rows: int = 4, steps: int = 4, rounds: int = 3
                       ) -> dict[str, float]:
     """On a one-rank world: what each data-parallel strategy's machinery adds to a
-    step where no byte moves (``Machine.overhead_s``).
+    step where no byte moves, and what splitting the backward into B and W adds to a
+    pipeline's (``Machine.overhead_s``).
 
-    For each strategy of ``strategies`` in :data:`DATA_PARALLEL` (the others are
-    skipped), ``rounds`` times: the plain step (``Parallelism()``, the identity) and
+    For each strategy of ``strategies`` in :data:`DATA_PARALLEL` or
+    :data:`SPLIT_BACKWARD` (the others are skipped), ``rounds`` times: the plain step
+    (``Parallelism()``, the identity; for a split pipeline 1F1B's on one stage) and
     the strategy's step, each the median of ``steps`` timed steps after a warm-up,
     on the same ``rows`` sequences; the strategy's figure is the median over the
     rounds of its step minus the plain step just before it, at least 0.
@@ -163,6 +169,9 @@ def measure_overheads(strategies: tuple[str, ...], cfg: GPTConfig = TIME_GPT,
         for name in strategies:
             if name in DATA_PARALLEL:
                 plain = step_s(Parallelism())
+                out.setdefault(name, []).append(step_s(build(name)) - plain)
+            elif name in SPLIT_BACKWARD:
+                plain = step_s(build("1f1b"))
                 out.setdefault(name, []).append(step_s(build(name)) - plain)
     return {name: max(0.0, statistics.median(d)) for name, d in out.items()}
 
