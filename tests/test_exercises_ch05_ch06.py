@@ -240,3 +240,90 @@ def test_pipeline_step_rejects_each_step_that_is_not_pipelined(verdicts) -> None
     for (step, message), verdict in zip(NOT_PIPELINED, verdicts[len(VALID):]):
         assert verdict is not None, f"{step.__name__} passed"
         assert re.search(message, str(verdict), re.S), (step.__name__, str(verdict))
+
+
+# ---- Chapter 6: B now, W later, on two ranks -----------------------------------------
+
+def _b(out, grad, x, params):
+    x_grad = None
+    if x is not None:
+        (x_grad,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+    return x_grad, (out, grad)
+
+
+def _w(saved, params):
+    out, grad = saved
+    for p, g in zip(params, torch.autograd.grad(out, params, grad)):
+        p.grad = g if p.grad is None else p.grad + g
+
+
+def _b_backward_inputs(out, grad, x, params):
+    """Another spelling: backward() limited to the input."""
+    if x is None:
+        return None, (out, grad)
+    out.backward(grad, inputs=[x], retain_graph=True)
+    return x.grad, (out, grad)
+
+
+def _w_backward_inputs(saved, params):
+    """backward() limited to the parameters accumulates into .grad itself."""
+    out, grad = saved
+    out.backward(grad, inputs=list(params))
+
+
+def _b_fused(out, grad, x, params):
+    """The whole backward at B: the weights' gradients too."""
+    out.backward(grad, retain_graph=True)
+    return (None if x is None else x.grad), None
+
+
+def _w_nothing(saved, params):
+    pass
+
+
+def _b_weights_kept(out, grad, x, params):
+    """The weight gradients computed at B and only added at W."""
+    wanted = ([x] if x is not None else []) + list(params)
+    got = torch.autograd.grad(out, wanted, grad)
+    return (got[0] if x is not None else None), got[-len(params):]
+
+
+def _w_add_kept(saved, params):
+    for p, g in zip(params, saved):
+        p.grad = g if p.grad is None else p.grad + g
+
+
+def _w_replaces(saved, params):
+    out, grad = saved
+    for p, g in zip(params, torch.autograd.grad(out, params, grad)):
+        p.grad = g
+
+
+def _b_frees_graph(out, grad, x, params):
+    x_grad = None
+    if x is not None:
+        (x_grad,) = torch.autograd.grad(out, [x], grad)
+    return x_grad, (out, grad)
+
+
+def _b_books(out, grad, x, params):
+    from dtlib.pipeline_parallel.zero_bubble import backward_input
+    return backward_input(out, grad, x, [])
+
+
+@pytest.mark.parametrize("b, w", [(_b, _w), (_b_backward_inputs, _w_backward_inputs)])
+def test_split_backward_accepts_valid_spellings(b, w, capsys) -> None:
+    ex.check_split_backward(b, w, seed=3)
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("b, w, says", [
+    (_b_fused, _w_nothing, "your B computed weight gradients"),
+    (_b_weights_kept, _w_add_kept, "your B computed weight gradients"),
+    (_b, _w_replaces, "not one process's"),
+    (_b_frees_graph, _w, "retain_graph|second time"),
+    (_b_books, _w, "book's own B"),
+])
+def test_split_backward_rejects(b, w, says) -> None:
+    with pytest.raises(WrongAnswer, match=says):
+        ex.check_split_backward(b, w, seed=4)

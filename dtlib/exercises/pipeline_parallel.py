@@ -490,3 +490,202 @@ def check_zero_bubble_order(zb_order: Callable[[int, int, int], Any],
     passed(_("your orders hold at most p micro-batches and are as short as ZB-H1's on "
              "the ideal clock, for {n} depths and micro-batch counts and {k} sets of "
              "F, B and W times").format(n=len(grid), k=len(times)))
+
+
+# ---- split it: B now, W later, on two ranks ------------------------------------------
+
+#: What ``check_split_backward`` switches off while the learner's functions run.
+_SPLIT_FORBIDS = {
+    'dtlib.pipeline_parallel.zero_bubble:backward_input': N_("the book's own B"),
+    'dtlib.pipeline_parallel.zero_bubble:backward_weight': N_("the book's own W"),
+    'dtlib.pipeline_parallel.schedules:pipeline_step':
+        N_("the book's own pipeline step"),
+    'dtlib.exercises.pipeline_parallel:_split_truth': N_("the checker's truth"),
+}
+#: The page's case first: (hidden width, layers a stage, micro-batches, data seed).
+_SPLIT_PAGE = (8, 1, 4, 0)
+_SPLIT_ROWS = 2
+
+
+_SPLIT_RANKS = 3  # a first, a middle and a last stage
+
+
+def _split_stages(hidden: int, depth: int, seed: int) -> list[torch.nn.Module]:
+    """:data:`_SPLIT_RANKS` stages of ``depth`` Linear + Tanh layers each (the first
+    from 4 inputs), the last ending in a Linear to 3 outputs, initialised from
+    ``seed``."""
+    torch.manual_seed(seed)
+    stages: list[torch.nn.Module] = []
+    for s in range(_SPLIT_RANKS):
+        layers: list[torch.nn.Module] = []
+        for k in range(depth):
+            layers += [torch.nn.Linear(4 if s == k == 0 else hidden, hidden),
+                       torch.nn.Tanh()]
+        if s == _SPLIT_RANKS - 1:
+            layers.append(torch.nn.Linear(hidden, 3))
+        stages.append(torch.nn.Sequential(*layers))
+    return stages
+
+
+def _split_data(m: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed + 1)
+    return ([torch.randn(_SPLIT_ROWS, 4, generator=gen) for _ in range(m)],
+            [torch.randn(_SPLIT_ROWS, 3, generator=gen) for _ in range(m)])
+
+
+def _split_on_rank(fns: tuple[Callable[..., Any], Callable[..., Any]],
+                   cases: tuple[tuple[int, int, int, int], ...]
+                   ) -> list[dict[str, Any]]:
+    """On each rank and per case: this rank's stage trained through ZB-H1's order
+    (F, B, W) with the learner's B and W, activations and their gradients passed by
+    the checker; the stage's gradients, and what went wrong where."""
+    import torch.distributed as dist
+
+    from dtlib.pipeline_parallel.schedules import schedule_order
+
+    b_fn, w_fn = fns
+    rank, p = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == p - 1
+    out = []
+    for hidden, depth, m, seed in cases:
+        stage = _split_stages(hidden, depth, seed)[rank]
+        params = list(stage.parameters())
+        xs, ys = _split_data(m, seed)
+        held: dict[int, tuple[Any, torch.Tensor]] = {}
+        saved: dict[int, Any] = {}
+        sends: list[Any] = []
+        problem = None
+        computed = [0]  # weight gradients autograd computed, however it was asked
+
+        def count(g: torch.Tensor) -> None:
+            computed[0] += 1
+
+        hooks = [q.register_hook(count) for q in params]
+        for kind, i in schedule_order("zb-h1", rank, p, m):
+            if kind == "F":
+                if first:
+                    x, y = None, stage(xs[i])
+                else:
+                    x = torch.empty(_SPLIT_ROWS, hidden)
+                    dist.recv(x, rank - 1)
+                    x.requires_grad_(True)
+                    y = stage(x)
+                if last:
+                    y = F.mse_loss(y, ys[i]) / m
+                else:
+                    sends.append(dist.isend(y.detach(), rank + 1))
+                held[i] = (x, y)
+            elif kind == "B":
+                x, y = held.pop(i)
+                grad = None
+                if not last:
+                    grad = torch.empty_like(y)
+                    dist.recv(grad, rank + 1)
+                before = [None if q.grad is None else q.grad.clone() for q in params]
+                computed[0] = 0
+                x_grad, saved[i] = b_fn(y, grad, x, params)
+                changed = [k for k, (q, b) in enumerate(zip(params, before))
+                           if (q.grad is None) != (b is None)
+                           or (b is not None and not torch.equal(q.grad, b))]
+                if (changed or computed[0]) and problem is None:
+                    problem = ("b_weights", i)
+                if not first:
+                    if not isinstance(x_grad, torch.Tensor) or \
+                            tuple(x_grad.shape) != tuple(x.shape):
+                        problem = problem or ("x_grad", i)
+                        x_grad = torch.zeros_like(x)
+                    sends.append(dist.isend(x_grad.detach().contiguous(), rank - 1))
+            else:
+                w_fn(saved.pop(i), params)
+        for work in sends:
+            work.wait()
+        for hook in hooks:
+            hook.remove()
+        out.append({"grads": [None if q.grad is None else q.grad.clone()
+                              for q in params], "problem": problem})
+    return out
+
+
+def _split_truth(hidden: int, depth: int, m: int, seed: int
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Both stages' gradients on one process (the fused backward of each micro-batch,
+    accumulated in order), and each entry's sum of the micro-batches' magnitudes."""
+    stages = _split_stages(hidden, depth, seed)
+    params = [p for s in stages for p in s.parameters()]
+    xs, ys = _split_data(m, seed)
+    total = [torch.zeros_like(p) for p in params]
+    magnitude = [torch.zeros_like(p) for p in params]
+    for x, y in zip(xs, ys):
+        for st in stages:
+            x = st(x)
+        loss = F.mse_loss(x, y) / m
+        grads = torch.autograd.grad(loss, params)
+        for t, a, g in zip(total, magnitude, grads):
+            t += g
+            a += g.abs()
+    return total, magnitude
+
+
+@checker(forbids=_SPLIT_FORBIDS)
+def check_split_backward(backward_b: Callable[..., Any],
+                         backward_w: Callable[..., Any],
+                         seed: int | None = None) -> None:
+    """Check ``backward_b(out, grad, x, params) -> (x_grad, saved)`` and
+    ``backward_w(saved, params)`` on three real ranks (a first, a middle and a last
+    stage) running ZB-H1's order.
+
+    ``out`` is the stage's output (the last: the micro-batch's loss, ``grad`` None),
+    ``x`` its input (None on rank 0, where the micro-batches enter), ``params`` the
+    stage's parameters. B must return ``dL/dx`` (sent to the previous stage) and must
+    leave every ``.grad`` as it found it; W, called later with what B returned, adds
+    the micro-batch's weight gradients into ``.grad``. Both stages' gradients after
+    the step must be every stage's on one process, within the reordering of ``m``
+    sums. The page's case and two drawn from ``seed`` (widths, layers a stage,
+    micro-batches).
+    """
+    rng = random.Random(seed)
+    cases = (_SPLIT_PAGE, *((rng.randint(3, 9), rng.randint(1, 3), rng.randint(2, 6),
+                             rng.randint(1, 10**6)) for _ in range(2)))
+    ranks = run_on_ranks(_split_on_rank, (backward_b, backward_w), _SPLIT_RANKS,
+                         cases, timeout=60, what=_("your B and W"))
+    eps = torch.finfo(torch.float32).eps
+    for c, (hidden, depth, m, case_seed) in enumerate(cases):
+        where = _("width {hidden}, {depth} layer(s) a stage, {m} micro-batches").format(
+            hidden=hidden, depth=depth, m=m)
+        for rank in range(_SPLIT_RANKS):
+            problem = ranks[rank][c]["problem"]
+            if problem and problem[0] == "b_weights":
+                raise WrongAnswer(
+                    _("{where}: on rank {rank} your B computed weight gradients "
+                      "(micro-batch {i}); they are W's work, later").format(
+                          where=where, rank=rank, i=problem[1]),
+                    _("ask autograd for the input's gradient only "
+                      "(torch.autograd.grad(out, x, grad, retain_graph=True)) and "
+                      "keep what W needs"))
+            if problem and problem[0] == "x_grad":
+                raise WrongAnswer(
+                    _("{where}: on rank {rank} your B returned no gradient of x's "
+                      "shape for micro-batch {i}; the previous stage waits for "
+                      "it").format(where=where, rank=rank, i=problem[1]))
+        truth, magnitude = _split_truth(hidden, depth, m, case_seed)
+        got = [g for r in range(_SPLIT_RANKS) for g in ranks[r][c]["grads"]]
+        for k, (g, t, a) in enumerate(zip(got, truth, magnitude)):
+            if g is None:
+                raise WrongAnswer(
+                    _("{where}: a parameter has no gradient after the step; W adds "
+                      "each micro-batch's weight gradients into .grad").format(
+                          where=where))
+            # the same products per micro-batch, summed in another order: at most
+            # (m + 1) eps of the summed magnitudes, and a few eps of each term for
+            # another kernel path to the same product
+            bound = (m + 17) * eps * a + 1e-30
+            if g.shape != t.shape or bool(((g - t).abs() > bound).any()):
+                raise WrongAnswer(
+                    _("{where}: the gradients after the step are not one process's "
+                      "(largest difference {diff:.2e})").format(
+                          where=where, diff=(g - t).abs().max().item()
+                          if g.shape == t.shape else float("inf")),
+                    _("W runs once per micro-batch and must add to .grad, never "
+                      "replace it; B must keep the graph for W (retain_graph=True)"))
+    passed(_("your B and W train every stage of ZB-H1 on three ranks as one process "
+             "does, B leaving the weights to W, for {n} cases").format(n=len(cases)))
