@@ -258,6 +258,9 @@ def test_wrong_answer_renders_short_and_escalates_its_hint() -> None:
         shown.append("\n".join(info.value._render_traceback_()))
     first, second = shown
     assert "Not yet" in first and "what does backward() write" in first
+    # the checker named as code: its name spelled out in words would be English in a
+    # Chinese copy's feedback
+    assert "(check_bytes_per_param)" in first
     assert "Hint" not in first.replace("a hint comes", "")
     assert "Hint" in second and "'The corrected accounting'" in second
     for text in shown:  # no checker source, no traceback, no value to copy

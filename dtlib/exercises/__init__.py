@@ -154,7 +154,9 @@ def checker(fn: F | None = None, *,
                         seed=seed, name=fn.__name__, variable=SEED_VARIABLE), exc.hint)
             _ATTEMPTS[fn.__qualname__] = _ATTEMPTS.get(fn.__qualname__, 0) + 1
             exc.attempt = _ATTEMPTS[fn.__qualname__]
-            exc.exercise = fn.__name__.removeprefix("check_").replace("_", " ")
+            # the checker's own name, code in every language (its words spelled
+            # out read as English in a Chinese copy's feedback)
+            exc.exercise = f"{fn.__name__}"
             raise exc.with_traceback(None) from None
         _ATTEMPTS.pop(fn.__qualname__, None)
         return result
