@@ -38,7 +38,7 @@ CHAPTER_OF = {
     "models": 0, "memory": 1, "collectives": 2, "data_parallel": 3, "zero": 4,
     "tensor_parallel": 5, "pipeline_parallel": 6, "precision": 7, "accumulation": 8,
     "checkpoint": 9, "parallel_nd": 11, "planner": 11, "context_parallel": 12,
-    "expert_parallel": 14,
+    "expert_parallel": 14, "low_comm": 15,
     # The capstone is taught in Chapter 10 but combines every technique (Chapter 11's
     # FSDP x TP included): it sits above them all in the import order.
     "train": 100,
