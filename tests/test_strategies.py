@@ -80,3 +80,17 @@ def test_a_pipeline_row_says_when_the_model_has_too_few_blocks():
                                              "on 4 ranks)")
     assert STRATEGIES["1f1b"].fits(4, 4) is None and STRATEGIES["1f1b"].fits(4, 5)
     assert STRATEGIES["ddp/naive"].fits(1, 64) is None
+
+
+def test_bench_time_refuses_when_no_strategy_can_run_on_the_ranks_given():
+    import argparse
+
+    from dtlib.bench import time as bench_time
+
+    parser = argparse.ArgumentParser()
+    bench_time.add_arguments(parser)
+    args = parser.parse_args(["--strategies", "zb-v", "--world-sizes", "4"])
+    with pytest.raises(ValueError, match="--strategies zb-v on --world-sizes 4: none "
+                                         "can run: zb-v on 4 ranks: 4 blocks cannot "
+                                         "make 8 stages"):
+        bench_time.run(args)

@@ -62,15 +62,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.steps < 1 or args.rounds < 1 or any(n < 2 for n in args.world_sizes):
         raise ValueError(f"--steps={args.steps} and --rounds={args.rounds} must be "
                          f">= 1 and --world-sizes {args.world_sizes} each >= 2")
+    skipped = {(name, n): why for n in args.world_sizes for name in args.strategies
+               if (why := STRATEGIES[name].fits(TIME_GPT.n_layers, n)) is not None}
+    if len(skipped) == len(args.world_sizes) * len(args.strategies):
+        raise ValueError(
+            f"--strategies {' '.join(args.strategies)} on --world-sizes "
+            f"{' '.join(map(str, args.world_sizes))}: none can run: " + "; ".join(
+                f"{name} on {n} ranks: {why}" for (name, n), why in skipped.items()))
     # what each data-parallel strategy's machinery costs where no byte moves
     overheads = launch.spawn(measure_overheads, 1, tuple(args.strategies),
                              rounds=args.rounds, timeout=args.timeout,
                              stream=False)[0]
-    for n in args.world_sizes:
-        for name in args.strategies:
-            why = STRATEGIES[name].fits(TIME_GPT.n_layers, n)
-            if why is not None:
-                print(f"{name} on {n} ranks: not timed, {why}")
+    for (name, n), why in skipped.items():
+        print(f"{name} on {n} ranks: not timed, {why}")
     runs = [launch.spawn(measure_and_time, n, tuple(args.strategies), args.steps,
                          args.rounds, True, timeout=args.timeout, stream=False)[0]
             for n in args.world_sizes]
