@@ -168,15 +168,9 @@ def _exercise_words(app: Any) -> None:
 def _translate_alt_texts(app: Any, doctree: Any, docname: str) -> None:
     """In an edition of another language, each figure's alt text from its catalog."""
     from docutils import nodes
-    from sphinx.locale import init as init_locale
-    from sphinx.util.i18n import docname_to_domain
 
-    if not app.config.language or app.config.language == "en":
-        return
-    domain = docname_to_domain(docname, app.config.gettext_compact)
-    catalog, found = init_locale(list(app.config.locale_dirs), app.config.language,
-                                 domain)
-    if not found:
+    catalog = _page_catalog(app, docname)
+    if catalog is None:
         return
     for image in doctree.findall(nodes.image):
         alt = (image.get("alt") or "").strip()
@@ -280,18 +274,10 @@ def _translate_toctree_captions(app: Any, doctree: Any) -> None:
     the root page's catalog: the toctrees _toc.yml inserts are added after Sphinx's
     Locale transform has run, so it never sees their captions."""
     from sphinx import addnodes
-    from sphinx.locale import init as init_locale
-    from sphinx.util.i18n import docname_to_domain
 
-    if not app.config.language or app.config.language == "en":
-        return
     trees = [t for t in doctree.findall(addnodes.toctree) if t.get("caption")]
-    if not trees:
-        return
-    domain = docname_to_domain(app.env.docname, app.config.gettext_compact)
-    catalog, found = init_locale(list(app.config.locale_dirs), app.config.language,
-                                 domain)
-    if not found:
+    catalog = _page_catalog(app, app.env.docname) if trees else None
+    if catalog is None:
         return
     for tree in trees:
         tree["caption"] = catalog.gettext(tree["caption"])

@@ -12,6 +12,9 @@
   (bounded as Chapter 6's SGD trajectories are).
 - What travels: one all-reduce of every parameter per outer step, 1/H of DDP's
   all-reduces of the gradients, the same bytes each, counted by the one observer.
+- A run stopped between outer steps and resumed from the saved replica and
+  OuterStepping state (anchor, both optimizers, steps taken) is the same run, bit
+  for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dtlib.collectives.accounting import count_comms
 from dtlib.low_comm import DiLoCo, simulate_diloco
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches
-from dtlib.models.run import RunConfig, run_steps
+from dtlib.models.run import RunConfig, TrainState, run_steps
 from dtlib.runtime import launch
 
 BATCH = 8
@@ -115,3 +118,40 @@ def test_bad_settings_name_the_argument() -> None:
     cfg = GPTConfig(**PP_GPT)
     with pytest.raises(ValueError, match="steps=5 must be a multiple of inner_steps=2"):
         simulate_diloco(build_gpt(cfg), gpt_batches(cfg, BATCH), 5, 2, 2)
+
+
+def _resumed(inner_steps: int, stop: int, steps: int) -> dict:
+    """On every rank: ``stop`` steps, the replica and its OuterStepping state saved
+    (in memory) and loaded into a fresh model and DiLoCo, then on to ``steps``; and
+    the same ``steps`` in one go."""
+    cfg = GPTConfig(**PP_GPT)
+    opt = dict(OPTIMIZER)
+    kind = opt.pop("optimizer_class")
+
+    def run(start: int, end: int, saved: dict | None = None):
+        par = DiLoCo(inner_steps)
+        config = RunConfig(end, start=start, optimizer_class=kind, optimizer_kwargs=opt,
+                           record_grads=False)
+        model = build_gpt(cfg, seed=0)
+        optimizer = par.make_optimizer(model, kind, **opt)
+        if saved is not None:  # what a checkpoint of the run restores
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+        res = run_steps(par, None, gpt_batches(cfg, BATCH), config,
+                        TrainState(wrapped=model, optimizer=optimizer))
+        return res, {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "optimizer": optimizer.state_dict()}
+
+    whole, _ = run(0, steps)
+    _, saved = run(0, stop)
+    resumed, _ = run(stop, steps, saved)
+    return {"whole": whole.params, "resumed": resumed.params}
+
+
+def test_a_run_resumed_mid_outer_step_is_the_same_run() -> None:
+    # H = 3, stopped after step 4 (one inner step into the second outer round): the
+    # anchor, both optimizers' state and the step count come back, bit for bit
+    for r in launch.spawn(_resumed, 2, 3, 4, 6, stream=False, timeout=120):
+        assert r["whole"].keys() == r["resumed"].keys()
+        for n, q in r["whole"].items():
+            assert torch.equal(q, r["resumed"][n]), n

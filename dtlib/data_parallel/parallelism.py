@@ -28,7 +28,8 @@ from dtlib.data_parallel.ddp import TEACHING_VARIANTS, DataParallel
 from dtlib.models.run import Batch, Parallelism, logits_of
 from dtlib.runtime import dist as ddist
 
-__all__ = ["VARIANTS", "DataParallelism", "parallelism", "rows_of_rank",
+__all__ = ["VARIANTS", "DataParallelRows", "DataParallelism", "parallelism",
+           "rows_of_rank",
            "settle_ddp_buckets"]
 
 #: Every DDP of Chapter 3: the three teaching ones and torch's.
@@ -66,7 +67,31 @@ def rows_of_rank(batch: Batch, rank: int, world_size: int) -> Batch:
     return tuple(out)
 
 
-class DataParallelism(Parallelism):
+class DataParallelRows(Parallelism):
+    """What every data-parallel technique shares: the ranks of ``group`` (default:
+    the world; one process when none is initialised) each take their rows of the
+    global batch, on this rank's device, and the logged loss is averaged over them
+    (the base class's ``global_loss`` over ``dp_group``).
+
+    Taught in: Chapter 3, "Equal to one process"; subclassed by ZeRO, FSDP2 and
+    DiLoCo.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        on = dist.is_available() and dist.is_initialized()
+        self.dp_group = group
+        self.dp_size = dist.get_world_size(group) if on else 1
+        self.dp_rank = dist.get_rank(group) if on else 0
+
+    def local_batch(self, batch: Batch) -> Batch:
+        """This rank's rows of every tensor, on this rank's device."""
+        device = ddist.world().device
+        mine = rows_of_rank(batch, self.dp_rank, self.dp_size)
+        return tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                     for t in mine)
+
+
+class DataParallelism(DataParallelRows):
     """Replicas that average their gradients: one DDP variant, ours or torch's.
 
     Args:
@@ -99,9 +124,7 @@ class DataParallelism(Parallelism):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.timeline = timeline
         self.name = f"ddp/{variant}"
-        self.dp_group = group
-        self.dp_size = dist.get_world_size(group)
-        self.dp_rank = dist.get_rank(group)
+        super().__init__(group)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """The replica on this rank's device, wrapped in the chosen DDP."""
@@ -114,13 +137,6 @@ class DataParallelism(Parallelism):
                                            bucket_cap_mb=self.bucket_cap_mb)
         return DataParallel(model, variant=self.variant, group=self.dp_group,
                             bucket_cap_mb=self.bucket_cap_mb, timeline=self.timeline)
-
-    def local_batch(self, batch: Batch) -> Batch:
-        """This rank's rows of every tensor, on this rank's device."""
-        device = ddist.world().device
-        mine = rows_of_rank(batch, self.dp_rank, self.dp_size)
-        return tuple(t.to(device) if isinstance(t, torch.Tensor) else t
-                     for t in mine)
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
         """``no_sync()`` of either DDP when ``on`` is False."""

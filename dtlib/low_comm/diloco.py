@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib.data_parallel.parallelism import rows_of_rank
+from dtlib.data_parallel.parallelism import DataParallelRows, rows_of_rank
 from dtlib.models.run import (Batch, Parallelism, RunConfig, RunResult, TrainState,
                               run_steps)
-from dtlib.runtime import dist as ddist
 
 __all__ = ["DiLoCo", "OuterStepping", "outer_update", "simulate_diloco"]
 
@@ -125,7 +124,7 @@ class OuterStepping:
         self.steps = int(state["steps"])
 
 
-class DiLoCo(Parallelism):
+class DiLoCo(DataParallelRows):
     """Local SGD / DiLoCo over the data-parallel ranks of ``group`` (default: the
     world): each rank a replica training on its rows of every global batch, an outer
     step every ``inner_steps`` steps (see the module docstring).
@@ -144,19 +143,8 @@ class DiLoCo(Parallelism):
         _check(inner_steps, outer_lr, outer_momentum)
         self.inner_steps, self.outer_lr = inner_steps, outer_lr
         self.outer_momentum = outer_momentum
-        self.dp_group = group
-        if dist.is_available() and dist.is_initialized():
-            self.dp_size = dist.get_world_size(group)
-            self.dp_rank = dist.get_rank(group)
-        else:
-            self.dp_size, self.dp_rank = 1, 0
+        super().__init__(group)
         self.name = f"diloco/H{inner_steps}"
-
-    def local_batch(self, batch: Batch) -> Batch:
-        """This replica's rows of every tensor, on this rank's device."""
-        device = ddist.world().device
-        return tuple(t.to(device) if isinstance(t, torch.Tensor) else t
-                     for t in rows_of_rank(batch, self.dp_rank, self.dp_size))
 
     def make_optimizer(self, wrapped: nn.Module, optimizer_class: type,
                        **kwargs: Any) -> OuterStepping:

@@ -17,11 +17,10 @@ import weakref
 from typing import Any, ContextManager
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from dtlib.data_parallel.parallelism import rows_of_rank
-from dtlib.models.run import Batch, Callback, Parallelism, full_tensor, tensors_by_name
+from dtlib.data_parallel.parallelism import DataParallelRows, rows_of_rank
+from dtlib.models.run import Callback, Parallelism, full_tensor, tensors_by_name
 from dtlib.runtime.dist import world
 from dtlib.zero.fsdp import (MixedPrecisionPolicy, fsdp_state_bytes, gradient_sync,
                              shard_fsdp2)
@@ -34,20 +33,7 @@ __all__ = ["parallelism", "ZeroParallelism", "FSDP2Parallelism", "VARIANTS",
 VARIANTS = ("ours", "fsdp2")
 
 
-class _DataParallelRows(Parallelism):
-    """Rows of the batch per rank, the logged loss averaged over the ranks."""
-
-    def __init__(self, group: Any) -> None:
-        on = dist.is_available() and dist.is_initialized()
-        self.dp_group = group
-        self.dp_size = dist.get_world_size(group) if on else 1
-        self.dp_rank = dist.get_rank(group) if on else 0
-
-    def local_batch(self, batch: Batch) -> Batch:
-        return rows_of_rank(batch, self.dp_rank, self.dp_size)
-
-
-class ZeroParallelism(_DataParallelRows):
+class ZeroParallelism(DataParallelRows):
     """The book's ZeRO at ``stage`` 1, 2 (:class:`ShardedOptimizer`) or 3
     (:class:`FullyShardedModule` and the caller's optimizer class).
 
@@ -125,7 +111,7 @@ class ZeroParallelism(_DataParallelRows):
         return optimizer.state_bytes()
 
 
-class FSDP2Parallelism(_DataParallelRows):
+class FSDP2Parallelism(DataParallelRows):
     """torch's FSDP2 (``fully_shard`` on each unit, then the root): stage 3.
 
     Taught in: Chapter 4, "FSDP2".

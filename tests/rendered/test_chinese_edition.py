@@ -92,22 +92,23 @@ def still_english(block: str, min_words: int = 5) -> bool:
 
 
 def english_titles(titles: list[str]) -> list[str]:
-    """Admonition titles (an exercise's, its solution's) with an English word left in
-    them: "练习 1 (Predict an all-reduce)", "Solution". Names in code stay English, so
-    a word counts only outside one ("练习 3 (以 reduce_dtype 做 ...)" passes)."""
+    """Admonition titles (an exercise's, its solution's) left in English: no Chinese in
+    the title (in an exercise's, in the part its parentheses hold) and an English
+    word that is neither code (a name with an underscore) nor a term the glossary
+    keeps in English: "练习 1 (Predict an all-reduce)", "Solution"."""
     out = []
     for t in titles:
-        words = [w for w in LATIN_WORD.findall(re.sub(r"\b\w*_\w*\b", " ", t))
+        own = t.split("(", 1)[-1]
+        words = [w for w in LATIN_WORD.findall(re.sub(r"\b\w*_\w*\b", " ", own))
                  if w.lower() not in _KEPT_WORDS]
-        if words and not CJK.search(t.split("(", 1)[-1]) or t == "Solution":
+        if words and not CJK.search(own):
             out.append(t)
     return out
 
 
-#: words a Chinese title keeps in English: the glossary's, and names
+#: words a Chinese title keeps in English: the glossary's kept terms
 _KEPT_WORDS = {w.lower() for t in catalogs.glossary() if t.chinese == t.english
-               for w in LATIN_WORD.findall(t.english)} | {
-    "ddp", "gpipe", "zero", "fsdp", "bf", "fp", "trace", "distributedsampler"}
+               for w in LATIN_WORD.findall(t.english)}
 
 
 def _zh_pages() -> list[Path]:
@@ -235,6 +236,7 @@ def test_the_detectors_catch_planted_defects() -> None:
     assert MOJIBAKE.search("æ•°æ®å¹¶è¡Œ")  # 数据并行 as UTF-8 read as cp1252
     assert MOJIBAKE.search("caf\ufffd") and not MOJIBAKE.search("数据并行 café")
     assert english_titles(["练习 1 (Predict an all-reduce)", "Solution", "解答",
+                           "练习 5 (all-reduce)",
                            "练习 2 (预测一次 all-reduce)", "练习 3 (以 reduce_dtype 做 "
                            "reduce-scatter)", "练习 4 (分发)"]) == [
         "练习 1 (Predict an all-reduce)", "Solution"]

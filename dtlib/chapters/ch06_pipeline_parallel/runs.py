@@ -193,13 +193,18 @@ def timeline_rank(gpt: dict, batch: int, n_microbatches: int,
                                 act_shape=shape, loss_fn=lm_loss, schedule=schedule)
             stage.zero_grad()
             results.append(res)
-        # Pick the same repeat on every rank: the one whose slowest stage was fastest.
-        spans = torch.tensor([max(e.end for e in r.events) for r in results[1:]],
-                             device=world().device)
-        dist.all_reduce(spans, op=dist.ReduceOp.MAX)
-        best = results[1 + int(spans.argmin())]
-        out[schedule] = {"events": best.events, "peak_in_flight": best.peak_in_flight}
+        out[schedule] = _fastest_repeat(results[1:])
     return out
+
+
+def _fastest_repeat(results: list[Any]) -> dict[str, Any]:
+    """The events and peak of the same repeat on every rank: the one whose slowest
+    stage was fastest."""
+    spans = torch.tensor([max(e.end for e in r.events) for r in results],
+                         device=world().device)
+    dist.all_reduce(spans, op=dist.ReduceOp.MAX)
+    best = results[int(spans.argmin())]
+    return {"events": best.events, "peak_in_flight": best.peak_in_flight}
 
 
 def stage_idle(per_rank: list[dict[str, Any]], schedule: str) -> list[float]:
@@ -290,11 +295,7 @@ def v_timeline_rank(gpt: dict, batch: int, n_microbatches: int,
                                        act_shape=shape, loss_fn=lm_loss))
         for st in mine:
             st.zero_grad()
-    spans = torch.tensor([max(e.end for e in r.events) for r in results[1:]],
-                         device=world().device)
-    dist.all_reduce(spans, op=dist.ReduceOp.MAX)
-    best = results[1 + int(spans.argmin())]
-    return {"events": best.events, "peak_in_flight": best.peak_in_flight}
+    return _fastest_repeat(results[1:])
 
 
 def v_schedules_rank(gpt: dict = PP_GPT, batch: int = 8, n_microbatches: int = 8,
