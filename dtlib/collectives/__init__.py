@@ -5,6 +5,8 @@
 - :mod:`~dtlib.collectives.cost_model`: the alpha-beta model and bus bandwidth.
 - :mod:`~dtlib.collectives.accounting`: which collectives a step ran, and how many bytes
   (:mod:`~dtlib.collectives.comm_log` holds the records).
+- :mod:`~dtlib.collectives.slow_link`: the same collectives as if over a slower
+  network (Chapter 15).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ _WHERE = {
                      "latency_bandwidth_crossover"), "cost_model"),
     **dict.fromkeys(("OPS", "CommRecord", "CommLog", "record", "active"), "comm_log"),
     "count_comms": "accounting", "CountComms": "accounting",
+    **dict.fromkeys(("link_seconds", "SlowLink", "slow_link", "SlowLinkSteps"),
+                    "slow_link"),
 }
 
 
@@ -40,4 +44,5 @@ __all__ = ["chunk_bounds", "all_gather_into", "reduce_scatter_into", "ring_all_r
            "collective_time",
            "bus_bandwidth_factor", "bytes_sent_per_rank", "fit_alpha_beta",
            "latency_bandwidth_crossover", "OPS", "CommRecord", "CommLog", "record",
-           "active", "count_comms"]
+           "active", "count_comms", "link_seconds", "SlowLink", "slow_link",
+           "SlowLinkSteps"]

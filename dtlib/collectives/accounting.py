@@ -71,7 +71,8 @@ class CountComms(Callback):
 
 
 @contextmanager
-def count_comms(future_gate: Callable[[CommRecord], Any] | None = None
+def count_comms(future_gate: Callable[[CommRecord], Any] | None = None,
+                hold: Callable[[CommRecord], float | None] | None = None
                 ) -> Iterator[CommLog]:
     """Record every collective this thread issues inside the block.
 
@@ -79,6 +80,9 @@ def count_comms(future_gate: Callable[[CommRecord], Any] | None = None
         future_gate: for checks of overlap: called with each process-group
             collective's record, it may return a ``torch.futures.Future`` that holds
             back the collective's ``get_future()`` until it completes.
+        hold: for a slower network (:mod:`dtlib.collectives.slow_link`): called with
+            each collective's record, it returns the ``time.monotonic()`` before
+            which that collective's waits and future do not complete (or None).
     Returns:
         A :class:`CommLog` filled as the block runs: the records in issue order and
         the waits (:attr:`CommLog.events`). Blocks nest: an inner block's collectives
@@ -90,7 +94,7 @@ def count_comms(future_gate: Callable[[CommRecord], Any] | None = None
     with LOCK:
         ACTIVE_LOGS.append(log)
     try:
-        with make_mode(future_gate):
+        with make_mode(future_gate, hold):
             yield log
     finally:
         with LOCK:

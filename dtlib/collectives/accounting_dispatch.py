@@ -15,7 +15,9 @@ returns a ``Work``; the mode hands back a :class:`RecordedWork` around it, which
 every ``wait()`` and ``get_future()`` (a blocking call is an issue followed by a wait)
 and can hold the future back (``future_gate``: the exercise checkers use it to show
 that a DDP hook does not wait for its own all-reduce). A functional collective's wait
-is its ``wait_tensor``.
+is its ``wait_tensor``. ``hold`` gives each collective a moment before which its
+waits and its future do not complete (:mod:`dtlib.collectives.slow_link` prices it
+on a slower network).
 
 What it does not see: collectives issued on another thread than the one that opened the
 block (a dispatch mode is per thread), and anything that is not a torch process group.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -38,7 +41,7 @@ import torch.distributed.distributed_c10d as c10d
 from dtlib.collectives.comm_log import (CommRecord, active, counted, depth,
                                         first_tensor, note, numel_of, record)
 
-__all__ = ["RecordedWork", "make_mode"]
+__all__ = ["RecordedWork", "make_mode", "sleep_until", "delayed"]
 
 _FUNCTIONAL_OPS = {
     "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
@@ -165,9 +168,10 @@ class RecordedWork(dist.Work):
     """
 
     def __init__(self, inner: Any, seq: int, gate: Any = None,
-                 any_source: bool = False) -> None:
+                 any_source: bool = False, ready_at: float | None = None) -> None:
         super().__init__()
         self._inner, self._seq, self._gate = inner, seq, gate
+        self._ready_at = ready_at  # time.monotonic() before which it is not done
         self._any_source = any_source  # keeps its Work: the sender is asked later
         self._future: Any = None
         self._done = False
@@ -179,15 +183,19 @@ class RecordedWork(dist.Work):
         if self._done:
             return True
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            return self._inner.wait(timeout)
-        return self._inner.wait()
+            done = self._inner.wait(timeout)
+        else:
+            done = self._inner.wait()
+        sleep_until(self._ready_at)
+        return done
 
     def get_future(self) -> Any:
         note("future", self._seq)
         if self._future is None:
             real = self._inner.get_future()
-            self._future = real if self._gate is None else self._gate.then(
+            future = real if self._gate is None else self._gate.then(
                 lambda _: real.wait())
+            self._future = delayed(future, self._ready_at)
         return self._future
 
     def is_completed(self) -> bool:
@@ -219,6 +227,39 @@ class RecordedWork(dist.Work):
             self._done, self._inner = True, None
 
 
+def sleep_until(moment: float | None) -> None:
+    """Block until ``time.monotonic()`` reaches ``moment`` (None: return at once)."""
+    if moment is not None:
+        left = moment - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+
+def delayed(future: Any, moment: float | None) -> Any:
+    """A future with ``future``'s value that completes no earlier than ``moment``
+    (``future`` itself when ``moment`` is None)."""
+    if moment is None:
+        return future
+    out = torch.futures.Future()
+
+    def settle(done: Any) -> None:
+        try:
+            value = done.wait()
+        except Exception as error:  # the collective failed: so does its future
+            out.set_exception(error)
+            return
+        left = moment - time.monotonic()
+        if left <= 0:
+            out.set_result(value)
+        else:
+            timer = threading.Timer(left, out.set_result, (value,))
+            timer.daemon = True
+            timer.start()
+
+    future.add_done_callback(settle)
+    return out
+
+
 def release_completed() -> None:
     """Let every completed :class:`RecordedWork` drop its real Work (and tensors)."""
     with _KEPT_LOCK:
@@ -237,7 +278,8 @@ def release_completed() -> None:
         _RELEASED.extend(done)
 
 
-def _wrap_work(result: Any, rec: CommRecord, gate: Any) -> Any:
+def _wrap_work(result: Any, rec: CommRecord, gate: Any,
+               ready_at: float | None = None) -> Any:
     """Put a :class:`RecordedWork` where the operator returned its boxed Work."""
     if isinstance(result, torch.ScriptObject):
         try:
@@ -245,19 +287,23 @@ def _wrap_work(result: Any, rec: CommRecord, gate: Any) -> Any:
         except Exception:  # not a Work
             return result
         return RecordedWork(inner, rec.seq, gate,
-                            rec.op == "recv" and rec.peer is None).boxed()
+                            rec.op == "recv" and rec.peer is None, ready_at).boxed()
     if isinstance(result, tuple) and result and \
             isinstance(result[-1], torch.ScriptObject):
-        return (*result[:-1], _wrap_work(result[-1], rec, gate))
+        return (*result[:-1], _wrap_work(result[-1], rec, gate, ready_at))
     return result
 
 
-def make_mode(future_gate: Callable[[CommRecord], Any] | None = None) -> Any:
+def make_mode(future_gate: Callable[[CommRecord], Any] | None = None,
+              hold: Callable[[CommRecord], float | None] | None = None) -> Any:
     """The dispatch mode that records every collective of this thread.
 
     Args:
         future_gate: called with each process-group collective's record; a future it
             returns holds back that collective's ``get_future()`` until it completes.
+        hold: called with each collective's record as it is issued; the
+            ``time.monotonic()`` it returns is when that collective may complete:
+            its waits and its future return no earlier (None: as soon as it is done).
     Returns:
         A ``TorchDispatchMode`` to enter for as long as the logs are open.
     """
@@ -269,7 +315,7 @@ def make_mode(future_gate: Callable[[CommRecord], Any] | None = None) -> Any:
         DTensor = ()  # noqa: N806
     # A functional collective's output -> its record, until its wait_tensor. Keyed by
     # id with a weak reference (a tensor's == is elementwise, so no WeakKeyDictionary).
-    pending: dict[int, tuple[Any, int]] = {}
+    pending: dict[int, tuple[Any, int, float | None]] = {}
 
     class _CollectiveMode(TorchDispatchMode):
         """Sees dispatcher-level collectives (what CommDebugMode sees), with sizes."""
@@ -283,21 +329,26 @@ def make_mode(future_gate: Callable[[CommRecord], Any] | None = None) -> Any:
             if namespace not in ("c10d", *_FUNCTIONAL_NAMESPACES):
                 return func(*args, **kwargs)
             if func._overloadpacket.__name__.endswith("wait_tensor") and args:
-                ref, seq = pending.pop(id(args[0]), (None, -1))
-                if ref is not None and ref() is args[0]:
+                ref, seq, ready_at = pending.pop(id(args[0]), (None, -1, None))
+                mine = ref is not None and ref() is args[0]
+                if mine:
                     note("wait", seq)
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                if mine:
+                    sleep_until(ready_at)
+                return out
             rec = _record(func, args, kwargs) if depth() == 0 and active() else None
             with counted():
                 result = func(*args, **kwargs)
             if rec is None:
                 return result
+            ready_at = hold(rec) if hold else None
             if namespace == "c10d":
                 gate = future_gate(rec) if future_gate else None
-                return _wrap_work(result, rec, gate)
+                return _wrap_work(result, rec, gate, ready_at)
             for out in (result if isinstance(result, (list, tuple)) else [result]):
                 if isinstance(out, torch.Tensor):
-                    pending[id(out)] = (weakref.ref(out), rec.seq)
+                    pending[id(out)] = (weakref.ref(out), rec.seq, ready_at)
             return result
 
     return _CollectiveMode()
