@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[book,test,hf]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[book,test,hf,torchft]'
 	# DeepSpeed builds against the installed torch (no build isolation) and compiles
 	# none of its ops at install time (DS_BUILD_OPS=0); Chapter 4 runs it on CPU ranks.
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation \

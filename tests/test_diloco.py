@@ -5,8 +5,9 @@
   step, so the ranks train as one process does (Chapter 6's GPT and optimizer, its
   derived tolerances), on 2 and 4 gloo ranks.
 - Any H, DiLoCo's Nesterov outer step: the ranks equal the one-process simulation of
-  the replicas (``simulate_diloco``); each replica's inner steps are the same
-  kernels on the same rows, so the only difference is the order the all-reduce sums
+  the replicas (``simulate_diloco``, run at the ranks' thread count: a CPU matmul's
+  blocking, hence its rounding, depends on it); each replica's inner steps are the
+  same kernels on the same rows, so the only difference is the order the all-reduce sums
   the n pseudo-gradients in: at most (n - 1) eps of the summed magnitudes per outer
   step, and the last bit of the anchor it moves, carried into the next rounds
   (bounded as Chapter 6's SGD trajectories are).
@@ -75,8 +76,14 @@ def test_any_h_equals_the_one_process_simulation(world_size) -> None:
                          timeout=120)
     cfg = GPTConfig(**PP_GPT)
     opt = dict(OPTIMIZER)
-    sim = simulate_diloco(build_gpt(cfg, seed=0), gpt_batches(cfg, BATCH), h * rounds,
-                          world_size, h, 0.7, 0.9, opt.pop("optimizer_class"), **opt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(launch.threads_per_rank(world_size))  # the ranks' kernels
+    try:
+        sim = simulate_diloco(build_gpt(cfg, seed=0), gpt_batches(cfg, BATCH),
+                              h * rounds, world_size, h, 0.7, 0.9,
+                              opt.pop("optimizer_class"), **opt)
+    finally:
+        torch.set_num_threads(before)
     # the all-reduce's order: (n - 1) eps of the summed magnitudes per outer step,
     # through the outer step's lr (1 + momentum)^2, and the anchor's own last bit
     # (its update's rounding may land either side), into the next rounds' inner
