@@ -40,7 +40,7 @@ def _write_back(param: torch.Tensor, reduced: torch.Tensor) -> None:
         if param.grad.data_ptr() != reduced.data_ptr():
             param.grad.copy_(reduced.view_as(param.grad))
     elif bool(reduced.any()):
-        param.grad = reduced.view_as(param).clone()
+        param.grad = reduced.view_as(param).to(param.dtype, copy=True)
 
 
 def allreduce_grads(params: Sequence[torch.Tensor], group: Any = None) -> int:
@@ -113,13 +113,60 @@ class Bucket:
         """Divide the summed buffer by ``world_size``; copy slices back to ``.grad``."""
         assert self.buffer is not None, "unflatten() before launch()"
         self.buffer.div_(world_size)
+        self.write_back(self.buffer)
+
+    def write_back(self, averaged: torch.Tensor) -> None:
+        """Copy slices of the flat ``averaged`` buffer back to ``.grad``."""
         offset = 0
         for p in self.params:
             n = p.numel()
-            _write_back(p, self.buffer[offset:offset + n])
+            _write_back(p, averaged[offset:offset + n])
             offset += n
         self.work = None
         self.ready = 0
+
+
+class HookBucket:
+    """A :class:`Bucket` as a communication hook sees it: the methods of torch's
+    ``dist.GradBucket`` that hooks call, so one hook serves both DDPs.
+
+    Args:
+        bucket: the bucket, its gradients already flattened into ``bucket.buffer``.
+        last: whether it is the last bucket of the step (``is_last()``).
+
+    Taught in: Chapter 15, "A hook for both DDPs".
+    """
+
+    def __init__(self, bucket: Bucket, last: bool) -> None:
+        assert bucket.buffer is not None, "HookBucket() before flatten()"
+        self._bucket, self._last, self._buffer = bucket, last, bucket.buffer
+
+    def index(self) -> int:
+        """The bucket's position in launch order (0 goes first)."""
+        return self._bucket.index
+
+    def is_last(self) -> bool:
+        """Whether this is the step's last bucket."""
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer of the bucket's gradients (or what set_buffer put)."""
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the buffer (a wrapper hook's 16-bit copy, as torch allows)."""
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients, shaped like their parameters: views of the flat buffer."""
+        flat = self._bucket.buffer
+        assert flat is not None
+        sizes = [p.numel() for p in self._bucket.params]
+        return [v.view_as(p) for v, p in zip(flat.split(sizes), self._bucket.params)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters, in the order of their slices in the buffer."""
+        return list(self._bucket.params)
 
 
 def build_buckets(params: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0

@@ -28,22 +28,26 @@ How it gets there:
   waits. Buckets are launched strictly in index order, so every rank issues the same
   collectives in the same order even when a bucket fills out of turn.
 
-Taught in: Chapter 3, "Three DDPs, one on another".
+A communication hook (:meth:`DataParallel.register_comm_hook`, torch DDP's signature)
+replaces each bucket's all-reduce: the hook gets the bucket (:class:`HookBucket`) and
+returns a future of the averaged buffer, which goes back into the gradients.
+
+Taught in: Chapter 3, "Three DDPs, one on another"; the hook in Chapter 15.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from dtlib.runtime.dist import sync
-from dtlib.data_parallel.buckets import (Bucket, allreduce_buckets, allreduce_grads,
-                                         build_buckets)
+from dtlib.data_parallel.buckets import (Bucket, HookBucket, allreduce_buckets,
+                                         allreduce_grads, build_buckets)
 
 #: The teaching variants of :class:`DataParallel`, each built on the one before.
 TEACHING_VARIANTS = ("naive", "bucketed", "overlapped")
@@ -127,6 +131,7 @@ class DataParallel(nn.Module):
         self._queued = False
         self._next = 0  # next bucket to launch (overlapped)
         self._seen: set[int] = set()
+        self._comm_hook: tuple[Any, Callable[..., Any]] | None = None
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._index_of = {id(p): i for i, p in enumerate(params)}
         sync_module_states(module, group)
@@ -165,6 +170,39 @@ class DataParallel(nn.Module):
             h.remove()
         self._handles = []
 
+    def register_comm_hook(self, state: Any,
+                           hook: Callable[[Any, Any], torch.futures.Future]) -> None:
+        """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce.
+
+        The signature is torch DDP's, so one hook serves both: ``bucket`` is a
+        :class:`HookBucket` (``buffer()``, ``gradients()``, ``index()``,
+        ``is_last()``, ``parameters()``, ``set_buffer()``) whose buffer holds the
+        bucket's local gradients; the returned future's value is the *averaged*
+        flat buffer, copied back into ``.grad``. Buckets are handed over in index
+        order, one whole step's worth per backward.
+
+        Args:
+            state: whatever the hook keeps (a process group, PowerSGD's memory).
+            hook: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``.
+
+        Taught in: Chapter 15, "A hook for both DDPs".
+        """
+        if self.variant == "naive":
+            raise ValueError(f"variant={self.variant!r} has no buckets to hand a "
+                             "communication hook; use 'bucketed' or 'overlapped'")
+        if self._comm_hook is not None:
+            raise ValueError("register_comm_hook: a hook is already registered; "
+                             "one per model, as in torch DDP")
+        if not callable(hook):
+            raise ValueError(f"hook={hook!r} must be callable as hook(state, "
+                             "bucket) -> Future")
+        self._comm_hook = (state, hook)
+
+    def _call_hook(self, bucket: Bucket) -> torch.futures.Future:
+        state, hook = self._comm_hook
+        bucket.flatten()
+        return hook(state, HookBucket(bucket, bucket.index == len(self.buckets) - 1))
+
     # ---- during backward -----------------------------------------------------------
     def _mark(self, name: str, index: int) -> None:
         if self._timeline:
@@ -190,11 +228,15 @@ class DataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         self._mark("launch", bucket.index)
-        work = bucket.launch(self.group, async_op=True)
+        if self._comm_hook is None:
+            bucket.launch(self.group, async_op=True)
+        else:
+            bucket.work = self._call_hook(bucket)  # a future
         if self._timeline:
             index = bucket.index
+            fut = bucket.work if self._comm_hook else bucket.work.get_future()
             # Runs when the all-reduce completes (on the communication thread).
-            work.get_future().then(lambda _: self._mark("done", index))
+            fut.then(lambda _: self._mark("done", index))
 
     def _launch_full_buckets(self) -> None:
         while (self._next < len(self.buckets)
@@ -210,6 +252,9 @@ class DataParallel(nn.Module):
         self._mark("backward_end", -1)
         if self.variant == "naive":
             allreduce_grads(self.params, self.group)
+        elif self.variant == "bucketed" and self._comm_hook is not None:
+            for b in self.buckets:  # one at a time, as the all-reduces below
+                b.write_back(self._call_hook(b).wait())
         elif self.variant == "bucketed":
             allreduce_buckets(self.buckets, self.group)
         else:
@@ -218,8 +263,11 @@ class DataParallel(nn.Module):
                 self._launch(self.buckets[self._next])
                 self._next += 1
             for b in self.buckets:
-                b.work.wait()
-                b.unflatten(self.world_size)
+                if self._comm_hook is None:
+                    b.work.wait()
+                    b.unflatten(self.world_size)
+                else:
+                    b.write_back(b.work.wait())  # a future: the averaged buffer
             self._next = 0
         self._mark("synced", -1)
 

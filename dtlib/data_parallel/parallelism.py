@@ -11,13 +11,16 @@ chapter, ours and torch's:
 - ``full_state``: a replica already holds everything (the base class's);
 - ``grad_sync``: ``no_sync()`` when backward must not synchronise.
 
+With ``comm_hook``, ``apply`` also registers a communication hook on either DDP
+(Chapter 15's gradient compression).
+
 Taught in: Chapter 3, "Equal to one process".
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -99,12 +102,17 @@ class DataParallelism(DataParallelRows):
         group: the data-parallel process group (default: the whole world).
         bucket_cap_mb: bucket size cap (MiB) of every bucketed variant, torch's too.
         timeline: record :class:`DataParallel`'s event timeline (teaching variants).
+        comm_hook, comm_state: ``wrapped.register_comm_hook(comm_state, comm_hook)``
+            after wrapping (``"bucketed"``, ``"overlapped"`` or ``"torch"``), e.g.
+            PowerSGD (Chapter 15); None: plain all-reduces.
 
     Taught in: Chapter 3, "Equal to one process".
     """
 
     def __init__(self, variant: str = "torch", *, group: Any = None,
-                 bucket_cap_mb: float = 25.0, timeline: bool = False) -> None:
+                 bucket_cap_mb: float = 25.0, timeline: bool = False,
+                 comm_hook: Callable[[Any, Any], Any] | None = None,
+                 comm_state: Any = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant={variant!r} is not allowed; allowed: "
                              f"{VARIANTS}")
@@ -116,6 +124,13 @@ class DataParallelism(DataParallelRows):
         if timeline and variant == "torch":
             raise ValueError("timeline=True records DataParallel's events; "
                              f"variant must be one of {TEACHING_VARIANTS}")
+        if comm_hook is not None and not callable(comm_hook):
+            raise ValueError(f"comm_hook={comm_hook!r} must be callable as "
+                             "hook(state, bucket) -> Future, or None")
+        if comm_hook is not None and variant == "naive":
+            raise ValueError(f"variant={variant!r} has no buckets to hand a "
+                             "communication hook; use 'bucketed', 'overlapped' or "
+                             "'torch'")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("data parallelism needs an initialised process group: "
                              "call dtlib.runtime.dist.init() first (or launch with "
@@ -123,20 +138,29 @@ class DataParallelism(DataParallelRows):
         self.variant = variant
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.timeline = timeline
+        self.comm_hook, self.comm_state = comm_hook, comm_state
         self.name = f"ddp/{variant}"
+        if comm_hook is not None:
+            self.name += f"+{getattr(comm_hook, '__name__', 'hook')}"
         super().__init__(group)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """The replica on this rank's device, wrapped in the chosen DDP."""
         device = ddist.world().device
         model = model.to(device)
+        wrapped: DistributedDataParallel | DataParallel
         if self.variant == "torch":
             ids = [device.index] if device.type == "cuda" else None
-            return DistributedDataParallel(model, device_ids=ids,
-                                           process_group=self.dp_group,
-                                           bucket_cap_mb=self.bucket_cap_mb)
-        return DataParallel(model, variant=self.variant, group=self.dp_group,
-                            bucket_cap_mb=self.bucket_cap_mb, timeline=self.timeline)
+            wrapped = DistributedDataParallel(model, device_ids=ids,
+                                              process_group=self.dp_group,
+                                              bucket_cap_mb=self.bucket_cap_mb)
+        else:
+            wrapped = DataParallel(model, variant=self.variant, group=self.dp_group,
+                                   bucket_cap_mb=self.bucket_cap_mb,
+                                   timeline=self.timeline)
+        if self.comm_hook is not None:
+            wrapped.register_comm_hook(self.comm_state, self.comm_hook)
+        return wrapped
 
     def grad_sync(self, wrapped: nn.Module, on: bool) -> ContextManager[None]:
         """``no_sync()`` of either DDP when ``on`` is False."""
@@ -144,8 +168,9 @@ class DataParallelism(DataParallelRows):
 
 
 def parallelism(variant: str = "torch", *, group: Any = None,
-                bucket_cap_mb: float = 25.0, timeline: bool = False
-                ) -> DataParallelism:
+                bucket_cap_mb: float = 25.0, timeline: bool = False,
+                comm_hook: Callable[[Any, Any], Any] | None = None,
+                comm_state: Any = None) -> DataParallelism:
     """The :class:`~dtlib.models.run.Parallelism` of one DDP variant.
 
     Args:
@@ -154,6 +179,8 @@ def parallelism(variant: str = "torch", *, group: Any = None,
         group: the data-parallel process group (default: the whole world).
         bucket_cap_mb: bucket size cap in MiB (> 0) for every bucketed variant.
         timeline: record the overlapped DDP's event timeline (teaching variants).
+        comm_hook, comm_state: a communication hook and its state (Chapter 15),
+            registered on the DDP; None: plain all-reduces.
     Returns:
         A :class:`DataParallelism`; ``dp_group``/``dp_size`` are ``group`` and its
         size.
@@ -161,7 +188,8 @@ def parallelism(variant: str = "torch", *, group: Any = None,
     Taught in: Chapter 3, "Equal to one process".
     """
     return DataParallelism(variant, group=group, bucket_cap_mb=bucket_cap_mb,
-                           timeline=timeline)
+                           timeline=timeline, comm_hook=comm_hook,
+                           comm_state=comm_state)
 
 
 def settle_ddp_buckets(model: nn.Module, x: torch.Tensor) -> None:
