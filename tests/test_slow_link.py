@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtlib.collectives.cost_model import collective_time
-from dtlib.collectives.slow_link import SlowLinkSteps, link_seconds, slow_link
+from dtlib.collectives.cost_model import collective_time, link_seconds
+from dtlib.collectives.slow_link import SlowLinkSteps, slow_link
 from dtlib.data_parallel import parallelism
 from dtlib.models.gpt import GPTConfig, build_gpt
 from dtlib.models.reference import gpt_batches

@@ -26,8 +26,8 @@ _WHERE = {
                      "latency_bandwidth_crossover"), "cost_model"),
     **dict.fromkeys(("OPS", "CommRecord", "CommLog", "record", "active"), "comm_log"),
     "count_comms": "accounting", "CountComms": "accounting",
-    **dict.fromkeys(("link_seconds", "SlowLink", "slow_link", "SlowLinkSteps"),
-                    "slow_link"),
+    "link_seconds": "cost_model",
+    **dict.fromkeys(("SlowLink", "slow_link", "SlowLinkSteps"), "slow_link"),
 }
 
 

@@ -203,3 +203,53 @@ def fit_distrust(records: list[dict], op: str, world_size: int, alpha: float,
                  "crossover ({cross:.1f} MiB): the bandwidth-bound regime was not "
                  "reached").format(largest=largest / 2**20, cross=cross / 2**20)
     return None
+
+
+# op -> (algorithm, op) of the cost model; the rest are priced below.
+_PRICED_AS = {"all_reduce": ("ring", "all_reduce"),
+              "reduce_scatter": ("ring", "reduce_scatter"),
+              "all_gather": ("ring", "all_gather"),
+              "gather": ("ring", "all_gather"), "scatter": ("ring", "all_gather"),
+              "all_to_all": ("ring", "all_gather"),
+              "broadcast": ("tree", "broadcast"), "reduce": ("tree", "broadcast")}
+
+
+def check_link(alpha: float, beta: float) -> None:
+    """Raise, naming the argument, unless ``alpha`` and ``beta`` are finite and
+    >= 0."""
+    for name, value, unit in (("alpha", alpha, "seconds per message"),
+                              ("beta", beta, "seconds per byte")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0 "
+                             f"({unit})")
+
+
+def link_seconds(op: str, nbytes: float, group_size: int, alpha: float,
+                 beta: float) -> float:
+    """Seconds one collective holds a link of latency ``alpha`` and ``beta`` s/byte.
+
+    Args:
+        op: a :data:`~dtlib.collectives.comm_log.OPS` name.
+        nbytes: the message size as the observer records it (nccl-tests' N).
+        group_size: ranks in the collective's group (1: nothing travels).
+    Returns:
+        all-reduce, reduce-scatter, all-gather: the ring's alpha-beta time (gather,
+        scatter and all-to-all priced as an all-gather: each rank sends (n-1)/n N);
+        broadcast and reduce: the tree's; send and recv: alpha + N beta; a barrier:
+        a ring all-reduce of nothing.
+
+    Taught in: Chapter 15, "A slow link you can measure".
+    """
+    check_link(alpha, beta)
+    if group_size <= 1 and op not in ("send", "recv"):
+        return 0.0
+    if op in ("send", "recv"):
+        return alpha + nbytes * beta
+    if op == "barrier":
+        return collective_time("ring", "all_reduce", 0, group_size, alpha, beta)
+    if op not in _PRICED_AS:
+        raise ValueError(f"op={op!r} is not a collective the link can price; "
+                         f"allowed: {sorted([*_PRICED_AS, 'send', 'recv', 'barrier'])}")
+    algorithm, priced = _PRICED_AS[op]
+    return collective_time(algorithm, priced, nbytes, group_size, alpha, beta)

@@ -10,8 +10,8 @@ message) and ``beta`` seconds per byte (bandwidth ``1 / beta``):
 
 - the link is this rank's network card, one collective at a time. A collective starts
   when it is issued or when the one before it has left, whichever is later, and takes
-  :func:`link_seconds` (a ring all-reduce of N bytes on n ranks:
-  2(n-1) alpha + 2(n-1)/n N beta);
+  :func:`~dtlib.collectives.cost_model.link_seconds` (a ring all-reduce of N bytes on
+  n ranks: 2(n-1) alpha + 2(n-1)/n N beta);
 - until then its ``wait()`` does not return and its future (what DDP's reducer and a
   comm hook take) does not complete. Computation in between goes on: DDP's buckets
   still overlap backward, and a collective waited on at once (``dist.all_reduce``)
@@ -34,83 +34,38 @@ from typing import Any, ContextManager, Iterator
 
 from dtlib.collectives.accounting import count_comms
 from dtlib.collectives.comm_log import CommLog, CommRecord
-from dtlib.collectives.cost_model import collective_time
+from dtlib.collectives.cost_model import check_link, link_seconds
 from dtlib.models.run import Callback
 
-__all__ = ["link_seconds", "SlowLink", "slow_link", "SlowLinkSteps"]
-
-# op -> (algorithm, op) of the cost model; the rest are priced below.
-_PRICED_AS = {"all_reduce": ("ring", "all_reduce"),
-              "reduce_scatter": ("ring", "reduce_scatter"),
-              "all_gather": ("ring", "all_gather"),
-              "gather": ("ring", "all_gather"), "scatter": ("ring", "all_gather"),
-              "all_to_all": ("ring", "all_gather"),
-              "broadcast": ("tree", "broadcast"), "reduce": ("tree", "broadcast")}
-
-
-def _check_link(alpha: float, beta: float) -> None:
-    for name, value, unit in (("alpha", alpha, "seconds per message"),
-                              ("beta", beta, "seconds per byte")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a finite number >= 0 "
-                             f"({unit})")
-
-
-def link_seconds(op: str, nbytes: float, group_size: int, alpha: float,
-                 beta: float) -> float:
-    """Seconds one collective holds a link of latency ``alpha`` and ``beta`` s/byte.
-
-    Args:
-        op: a :data:`~dtlib.collectives.comm_log.OPS` name.
-        nbytes: the message size as the observer records it (nccl-tests' N).
-        group_size: ranks in the collective's group (1: nothing travels).
-    Returns:
-        all-reduce, reduce-scatter, all-gather: the ring's alpha-beta time (gather,
-        scatter and all-to-all priced as an all-gather: each rank sends (n-1)/n N);
-        broadcast and reduce: the tree's; send and recv: alpha + N beta; a barrier:
-        a ring all-reduce of nothing.
-
-    Taught in: Chapter 15, "A slow link you can measure".
-    """
-    _check_link(alpha, beta)
-    if group_size <= 1 and op not in ("send", "recv"):
-        return 0.0
-    if op in ("send", "recv"):
-        return alpha + nbytes * beta
-    if op == "barrier":
-        return collective_time("ring", "all_reduce", 0, group_size, alpha, beta)
-    if op not in _PRICED_AS:
-        raise ValueError(f"op={op!r} is not a collective the link can price; "
-                         f"allowed: {sorted([*_PRICED_AS, 'send', 'recv', 'barrier'])}")
-    algorithm, priced = _PRICED_AS[op]
-    return collective_time(algorithm, priced, nbytes, group_size, alpha, beta)
-
+__all__ = ["SlowLink", "slow_link", "SlowLinkSteps"]
 
 class SlowLink:
     """One rank's network card: the collectives it carried and when it is free.
 
     alpha, beta: the link (seconds per message, seconds per byte).
-    log: the collectives seen (the observer's :class:`CommLog`), once a block opened.
+    log: the collectives of the last block (the observer's :class:`CommLog`).
     held: seconds of link time charged per collective, in issue order.
+    sent_bytes: message bytes of every collective charged (nccl-tests' N).
 
     Taught in: Chapter 15, "A slow link you can measure".
     """
 
     def __init__(self, alpha: float, beta: float) -> None:
-        _check_link(alpha, beta)
+        check_link(alpha, beta)
         self.alpha, self.beta = float(alpha), float(beta)
         self.log: CommLog | None = None
         self.held: list[float] = []
+        self.sent_bytes = 0
         self._free_at = 0.0
 
     def hold(self, rec: CommRecord) -> float | None:
         """When ``rec`` may complete: it starts once the link is free and takes
-        :func:`link_seconds` (the ``hold`` of
+        :func:`~dtlib.collectives.cost_model.link_seconds` (the ``hold`` of
         :func:`~dtlib.collectives.accounting.count_comms`)."""
         seconds = link_seconds(rec.op, rec.bytes, rec.group_size, self.alpha,
                                self.beta)
         self.held.append(seconds)
+        self.sent_bytes += rec.bytes
         if seconds == 0:
             return None
         self._free_at = max(time.monotonic(), self._free_at) + seconds
