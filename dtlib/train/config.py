@@ -132,6 +132,18 @@ class TrainConfig:
     allow_change: comma-separated identity entries a resume may change:
         global-batch, lr, warmup, min-lr-ratio, steps, weight-decay, grad-clip,
         precision (printed at start-up; without it a change is refused).
+    diloco: DiLoCo (Chapter 15): every data-parallel rank a replica that takes this
+        many steps of the optimizer alone, then an outer step: the replicas'
+        pseudo-gradients averaged in one all-reduce, the shared anchor stepped by
+        Nesterov SGD (lr 0.7, momentum 0.9), every replica back at it. Strategy ddp
+        only; a checkpoint holds every replica, the anchor and both optimizers, and
+        resumes on the same number of ranks (0: off, plain DDP).
+    powersgd: PowerSGD (Chapter 15): DDP all-reduces its gradients as rank-this
+        factors, with error feedback and warm start (torch DDP's communication
+        hook). Strategy ddp only; a checkpoint holds each rank's error and factors,
+        and resumes on the same number of ranks (0: off).
+    powersgd_start: powersgd only: plain all-reduces for the first this many steps
+        (at least 2: torch DDP regroups its buckets after the first step).
     shutdown_timeout: seconds a preemption save may take: torchrun's
         --shutdown-timeout (torchrun SIGKILLs the workers after it; default:
         $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else torchrun's 30). The run says at
@@ -182,6 +194,9 @@ class TrainConfig:
     tensorboard: str | None = None
     fresh: bool = False
     allow_change: str = ""
+    diloco: int = 0
+    powersgd: int = 0
+    powersgd_start: int = 10
     shutdown_timeout: float = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
                                                    "30"))
 
@@ -276,6 +291,23 @@ class TrainConfig:
                                ).format(warmup=self.warmup, steps=self.steps,
                                         last=self.steps - 1))
         _int("tp", self.tp, minimum=1)
+        for name in ("diloco", "powersgd"):
+            _int(name, getattr(self, name), minimum=0)
+            if getattr(self, name) and self.strategy != "ddp":
+                raise ValueError(_("{name}={value} needs strategy='ddp' (a whole "
+                                   "replica on every rank), not strategy={strategy!r}"
+                                   "; allowed with fsdp: {name}=0").format(
+                    name=name, value=getattr(self, name), strategy=self.strategy))
+        _int("powersgd_start", self.powersgd_start, minimum=2)
+        if self.diloco and self.powersgd:
+            raise ValueError(_("diloco={diloco} and powersgd={powersgd} are both set; "
+                               "allowed: one (DiLoCo sends no gradients to compress)"
+                               ).format(diloco=self.diloco, powersgd=self.powersgd))
+        if self.diloco and self.precision == "fp16":
+            raise ValueError(_("diloco={diloco} with precision='fp16' is not "
+                               "supported (the loss scaler would skip inner steps "
+                               "unseen by the outer step); allowed: fp32 or bf16"
+                               ).format(diloco=self.diloco))
         if self.tp > 1 and self.strategy != "fsdp":
             raise ValueError(_("tp={tp} needs strategy='fsdp' (FSDP2 on the dp "
                                "dimension of a (dp, tp) mesh), not strategy="

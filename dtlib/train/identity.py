@@ -62,6 +62,7 @@ RULES: dict[str, tuple[str, str]] = {
     "seed": ("fixed", "--seed"),
     "tp": ("fixed", "--tp"),
     "optimizer": ("fixed", "--optimizer"),
+    "low_comm": ("fixed", "--diloco / --powersgd / --powersgd-start"),
     "global_batch": ("care", "--micro-batch x --accum-steps x data-parallel ranks"),
     "lr": ("care", "--lr"),
     "warmup": ("care", "--warmup"),
@@ -83,6 +84,9 @@ RULES: dict[str, tuple[str, str]] = {
     "dtlib": ("free", "dtlib"),
     "torch": ("free", "torch"),
 }
+#: Entries added after checkpoints were first written, and the value that means what
+#: a checkpoint without them did (its run used none of the entry's flags).
+ADDED_LATER = {"low_comm": "none"}
 #: ``--allow-change`` name -> its care entry (the name with underscores).
 CARE_KEYS = {name: name.replace("-", "_") for name in CARE_NAMES}
 assert {k for k, (kind, _) in RULES.items() if kind == "care"} \
@@ -155,6 +159,9 @@ def run_identity(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         "recompute": cfg.recompute, "log_every": cfg.log_every,
         "eval_every": cfg.eval_every, "save_every": cfg.save_every,
         "keep_last": cfg.keep_last, "dtlib": dtlib.__version__,
+        "low_comm": ({"diloco": cfg.diloco} if cfg.diloco else
+                     {"powersgd": cfg.powersgd, "start": cfg.powersgd_start}
+                     if cfg.powersgd else "none"),
         "torch": torch.__version__.split("+")[0],
     }
     if shape is not None:  # the file's shape replaces the size flags
@@ -169,7 +176,10 @@ def fingerprint(identity: dict[str, Any]) -> str:
 
     Taught in: Chapter 10, "A checkpoint knows its run".
     """
-    fixed = {k: identity.get(k) for k, (kind, _) in RULES.items() if kind == "fixed"}
+    fixed = {k: identity.get(k, ADDED_LATER.get(k)) for k, (kind, _) in RULES.items()
+             if kind == "fixed"}
+    fixed = {k: v for k, v in fixed.items()  # as a checkpoint without them hashed
+             if not (k in ADDED_LATER and v == ADDED_LATER[k])}
     return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -250,13 +260,14 @@ class Comparison:
 def compare(saved: dict[str, Any], now: dict[str, Any],
             allowed: frozenset[str] = frozenset()) -> Comparison:
     """Entry by entry, ``saved`` against ``now`` (both :func:`run_identity`'s):
-    an entry a saved identity lacks counts as differing.
+    an entry a saved identity lacks counts as differing, unless it came later
+    (:data:`ADDED_LATER`) and this run has its old behaviour.
 
     Taught in: Chapter 10, "A checkpoint knows its run".
     """
     out = Comparison(allowed=frozenset(CARE_KEYS[n] for n in allowed))
     for key, (kind, _) in RULES.items():
-        a, b = saved.get(key, "(not recorded)"), now.get(key)
+        a, b = saved.get(key, ADDED_LATER.get(key, "(not recorded)")), now.get(key)
         if a != b:
             getattr(out, kind).append((key, a, b))
     return out

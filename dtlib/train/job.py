@@ -13,9 +13,10 @@ Taught in: Chapter 10, "The script's structure".
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtlib.accumulation import accumulation_step
+from dtlib.data_parallel.parallelism import DataParallelism
+from dtlib.low_comm import DiLoCo, OuterStepping
+from dtlib.low_comm.powersgd import PowerSGDState, powersgd_hook
 from dtlib.memory.formulas import GB, ModelStates, model_state_bytes
 from dtlib.models.init import storage_bytes
 from dtlib.models.run import Parallelism, RunConfig, TrainState, logits_of
@@ -37,8 +41,8 @@ from dtlib.train.model import (build_model, count_params, init_model, starts_on_
 from dtlib.zero.fsdp import bf16_policy
 
 __all__ = ["DoesNotFit", "check_memory", "startup_bytes", "prepare_model",
-           "start_model", "lr_lambda", "token_loss",
-           "Job", "build_job", "build_data"]
+           "start_model", "lr_lambda", "token_loss", "low_comm", "plain_hook",
+           "stepped", "Job", "build_job", "build_data"]
 
 
 class DoesNotFit(RuntimeError):
@@ -300,6 +304,45 @@ class Job:
         return self.cfg.tokens_per_micro_batch * self.cfg.accum_steps * self.par.dp_size
 
 
+def low_comm(cfg: TrainConfig, par: Parallelism) -> Parallelism:
+    """``--diloco H``: the ddp row's replicas, synchronised by DiLoCo's outer step
+    every H steps instead of DDP's every step; ``--powersgd R``: torch DDP with
+    PowerSGD of rank R as its communication hook (Chapter 15). Else ``par``.
+
+    Taught in: Chapter 15, "In the capstone".
+    """
+    if cfg.diloco:
+        return DiLoCo(cfg.diloco)
+    if cfg.powersgd:
+        state = PowerSGDState(matrix_rank=cfg.powersgd, start_iter=cfg.powersgd_start)
+        return DataParallelism("torch", comm_hook=powersgd_hook, comm_state=state)
+    return par
+
+
+@contextlib.contextmanager
+def plain_hook(job: "Job") -> Iterator[None]:
+    """Inside: PowerSGD's hook (``--powersgd``) all-reduces plainly and its memory
+    comes back unchanged afterwards. DDP's warm-up backward (its buckets regrouped
+    before the first real step, fresh or resumed) runs inside: its gradients are
+    thrown away, and the first backward's buckets do not fit a resumed memory."""
+    state = getattr(job.par, "comm_state", None)
+    if not isinstance(state, PowerSGDState):
+        yield
+        return
+    saved = state.state_dict()
+    state.iteration = 0  # before start_iter: plain all-reduces, no memory read
+    try:
+        yield
+    finally:
+        state.load_state_dict(saved)
+
+
+def stepped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer a schedule and DCP's state-dict helpers see: DiLoCo's
+    inner one (its outer state is saved beside, per rank), else ``optimizer``."""
+    return optimizer.inner if isinstance(optimizer, OuterStepping) else optimizer
+
+
 def strategy_options(cfg: TrainConfig, strategy: Strategy) -> Options:
     """What the flags choose about the strategy: ``--tp``, and bf16 computed by
     FSDP2's mixed-precision policy where the strategy does not autocast.
@@ -338,7 +381,7 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     states = check_memory(n_params, cfg.strategy, world.world_size, device_gb,
                           unit_params(cfg) if starts_on_meta(cfg) else None)
     strategy = STRATEGIES[cfg.strategy]
-    par = strategy.parallelism(strategy_options(cfg, strategy))
+    par = low_comm(cfg, strategy.parallelism(strategy_options(cfg, strategy)))
     held: list[int] = []  # bytes of parameter storage after each set-up step
 
     def probe(step: str, m: nn.Module, twin: nn.Module | None) -> None:
@@ -351,7 +394,7 @@ def build_job(cfg: TrainConfig, world: ddist.World | None = None) -> Job:
     optimizer_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = par.make_optimizer(model, optimizer_class, lr=cfg.lr,  # after wrapping
                              weight_decay=cfg.weight_decay, **kwargs)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(
+    sched = torch.optim.lr_scheduler.LambdaLR(stepped(opt), lambda s: lr_lambda(
         s, cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     # fp16 needs a loss scaler, bf16 does not (Chapter 7); it is part of the state,
     # so it exists before a resume restores its scale.

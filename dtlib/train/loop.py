@@ -36,7 +36,7 @@ from dtlib.train.async_save import BackgroundSaver
 from dtlib.train.config import TrainConfig, parse_args
 from dtlib.train.faults import SIGNALS, Preemption, kill_rehearsal, retain
 from dtlib.train.identity import Refusal, check_directory, fingerprint
-from dtlib.train.job import Job, build_job
+from dtlib.train.job import Job, build_job, plain_hook
 from dtlib.planner.measure import matmul_flops
 from dtlib.train.metrics import RunLog, evaluate, flops_per_token, peak_memory
 from dtlib.train.state import export_hf, param_digest, resume, save_state
@@ -94,9 +94,11 @@ def train(cfg: TrainConfig, world: ddist.World) -> dict[str, Any]:
     _announce(job, start)
     identity = job.identity
     window = _preemption_window(job)
-    if job.strategy.warm_up is not None and job.par.dp_size > 1:
+    if job.strategy.warm_up is not None and job.par.dp_size > 1 \
+            and not cfg.diloco:  # DiLoCo's replicas are not wrapped in DDP
         x = job.data.rows(torch.arange(cfg.micro_batch))[:, :-1].to(world.device)
-        job.strategy.warm_up(job.model, x)  # DDP: same buckets fresh or resumed
+        with plain_hook(job):  # PowerSGD's memory is not the warm-up's to change
+            job.strategy.warm_up(job.model, x)  # DDP: same buckets fresh or resumed
     log = RunLog(cfg.log_file or (os.path.join(cfg.ckpt_dir, "train_log.jsonl")
                                   if cfg.ckpt_dir else None), cfg.tensorboard)
     log.header({"run": fingerprint(identity), "start_step": start,

@@ -47,7 +47,8 @@ from dtlib.models.run import full_tensor, unwrap
 from dtlib.runtime.dist import rprint
 from dtlib.train.identity import (IDENTITY, Refusal, compare, read_identity,
                                   step_dirs)
-from dtlib.train.job import Job, lr_lambda
+from dtlib.low_comm import OuterStepping
+from dtlib.train.job import Job, lr_lambda, stepped
 
 __all__ = ["save_state", "begin_save", "publish", "resume", "param_digest",
            "step_dirs", "export_hf", "rank_file", "reseed", "set_aside",
@@ -190,11 +191,40 @@ def state_to_save(job: Job) -> dict[str, Any]:
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    had_state = bool(job.optimizer.state)
-    msd, osd = get_state_dict(job.model, job.optimizer)
+    opt = stepped(job.optimizer)
+    had_state = bool(opt.state)
+    msd, osd = get_state_dict(job.model, opt)
     if not had_state:
-        job.optimizer.state.clear()
+        opt.state.clear()
     return {"model": msd, "optim": osd}
+
+
+def low_comm_state(job: Job) -> dict[str, Any] | None:
+    """What Chapter 15's methods keep per rank, saved in the rank's own file (the
+    DCP directory holds one replica's model and optimizer, rank 0's): DiLoCo's
+    replica and its :class:`~dtlib.low_comm.OuterStepping` state (inner and outer
+    optimizer, anchor, steps taken), or PowerSGD's memory (errors, factors, step
+    count). None for the other runs.
+
+    Taught in: Chapter 15, "In the capstone".
+    """
+    if isinstance(job.optimizer, OuterStepping):
+        return {"replica": {k: v.detach().clone()
+                            for k, v in job.model.state_dict().items()},
+                "outer": job.optimizer.state_dict()}
+    hook_state = getattr(job.par, "comm_state", None)
+    return {"powersgd": hook_state.state_dict()} if hook_state is not None else None
+
+
+def load_low_comm_state(job: Job, state: dict[str, Any] | None) -> None:
+    """Put back what :func:`low_comm_state` saved (this rank's)."""
+    if state is None:
+        return
+    if "replica" in state:
+        job.model.load_state_dict(state["replica"])
+        job.optimizer.load_state_dict(state["outer"])
+    else:
+        job.par.comm_state.load_state_dict(state["powersgd"])
 
 
 def begin_save(job: Job, step: int) -> tuple[str, str]:
@@ -216,7 +246,8 @@ def begin_save(job: Job, step: int) -> tuple[str, str]:
     dist.barrier()
     atomic_save({"step": step, "scheduler": job.scheduler.state_dict(),
                  "sampler": job.sampler.state_dict(), **rng_state(),
-                 "optimizer_state_empty": not job.optimizer.state,
+                 "optimizer_state_empty": not stepped(job.optimizer).state,
+                 "low_comm": low_comm_state(job),
                  "scaler": job.scaler.state_dict() if job.scaler is not None
                  else None}, os.path.join(tmp, f"rank{rank}.pt"))
     return tmp, final
@@ -293,7 +324,7 @@ def resume(job: Job) -> int:
 
     Taught in: Chapter 10, "Crash and resume".
     """
-    cfg, model, opt, sched = job.cfg, job.model, job.optimizer, job.scheduler
+    cfg, model, opt, sched = job.cfg, job.model, stepped(job.optimizer), job.scheduler
     if cfg.ckpt_dir is None:
         return 0
     if cfg.fresh:
@@ -323,14 +354,19 @@ def resume(job: Job) -> int:
     refused = found.refusal(path)
     if refused:
         raise Refusal(refused)
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    saved_world = manifest["world_size"]
+    if (cfg.diloco or cfg.powersgd) and saved_world != dist.get_world_size():
+        raise Refusal(f"{path} was written by {saved_world} ranks; --diloco and "
+                      "--powersgd keep state per rank (each replica, each rank's "
+                      f"error), so the run resumes on {saved_world} ranks only, not "
+                      f"{dist.get_world_size()}; nothing was changed on disk")
     # verified above, file by file; no pickle of the directory is run
     dcp.load(state, storage_reader=SafeFileSystemReader(path),
              planner=SafeLoadPlanner())
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    saved_world = manifest["world_size"]
     mine = torch.load(os.path.join(path, rank_file({"world_size": saved_world})),
                       map_location="cpu", weights_only=True)
     sched.load_state_dict(mine["scheduler"])
@@ -343,6 +379,7 @@ def resume(job: Job) -> int:
         job.scaler.load_state_dict(mine["scaler"])
     if mine.get("optimizer_state_empty"):  # saved before any step: none, as then
         opt.state.clear()
+    load_low_comm_state(job, mine.get("low_comm"))
     if found.care:
         _apply_changes(job, mine["step"])
     job.resumed = {"path": path, "step": mine["step"], "damaged": damaged,
