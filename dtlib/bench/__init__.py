@@ -11,7 +11,7 @@ import json
 from typing import Any, Iterable
 
 BENCHMARKS = ("launch", "collectives", "ddp", "zero", "matmul", "gpu", "time",
-              "checkpoint")
+              "checkpoint", "link")
 
 
 def format_table(records: Iterable[dict[str, Any]]) -> str:
