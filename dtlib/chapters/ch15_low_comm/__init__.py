@@ -1,0 +1,1 @@
+"""Chapter 15: low-communication training (page code)."""
