@@ -90,8 +90,8 @@ def _outer_truth(case: dict[str, Any], n: int, rounds: int
     return after, bounds
 
 
-def _outer_on_rank(outer_step: Callable[..., Any], cases: list[dict[str, Any]],
-                   rounds: int) -> list[dict[str, Any]]:
+def outer_on_rank(outer_step: Callable[..., Any], cases: list[dict[str, Any]],
+                  rounds: int) -> list[dict[str, Any]]:
     """On one rank and per case: ``rounds`` outer steps of the learner's function
     from the drawn values, each counted; what the parameters, the anchor and the
     buffers hold after each."""
@@ -131,36 +131,49 @@ def check_outer_step(outer_step: Callable[..., Any], seed: int | None = None) ->
     within what rounding allows, and the step must send one all-reduce's worth of
     the parameters, no more. The page's case and two drawn from ``seed``.
     """
-    rng = random.Random(seed)
-    cases = [_outer_case(0)] + [_outer_case(rng.randint(1, 10**6)) for _ in range(2)]
+    cases = outer_cases(seed)
     for n in OUTER_WORLDS:
-        ranks = run_on_ranks(_outer_on_rank, outer_step, n, cases, OUTER_ROUNDS,
+        ranks = run_on_ranks(outer_on_rank, outer_step, n, cases, OUTER_ROUNDS,
                              timeout=60, what=_("your outer step"))
-        for c, case in enumerate(cases):
-            truth, bound = _outer_truth(case, n, OUTER_ROUNDS)
-            numel = sum(t.numel() for t in truth[0])
-            where = _("{n} ranks, shapes {shapes}, lr {lr}, momentum {m}").format(
-                n=n, shapes=case["shapes"], lr=case["lr"], m=case["momentum"])
-            for rank in range(n):
-                for r, seen in enumerate(ranks[rank][c]["rounds"]):
-                    ops = [op for op, _b in seen["comms"]]
-                    sent = sum(b for op, b in seen["comms"] if op == "all_reduce")
-                    if set(ops) - {"all_reduce"} or sent != 4 * numel:
-                        raise WrongAnswer(
-                            _("{where}: outer step {r} sent {comms} from rank {rank}; "
-                              "an outer step is one all-reduce of the pseudo-"
-                              "gradients, {nbytes} bytes in all").format(
-                                  where=where, r=r + 1, comms=seen["comms"] or _(
-                                      "nothing"), rank=rank, nbytes=4 * numel),
-                            _("average anchor - params over the replicas with "
-                              "dist.all_reduce (ReduceOp.AVG, or SUM and divide by "
-                              "the world size), once per tensor or once flattened"))
-                    for name, got in (("anchor", seen["anchor"]),
-                                      ("params", seen["params"])):
-                        _compare(got, truth[r], bound[r], where, rank, r, name)
+        judge_outer(ranks, cases, n)
     passed(_("your outer step moves every replica to the one-process anchor on 2 and "
              "3 ranks, for {k} cases of two outer steps, sending one all-reduce of "
              "the pseudo-gradients each").format(k=len(cases)))
+
+
+def outer_cases(seed: int | None) -> list[dict[str, Any]]:
+    """The page's case and two drawn from ``seed``."""
+    rng = random.Random(seed)
+    return [_outer_case(0)] + [_outer_case(rng.randint(1, 10**6)) for _ in range(2)]
+
+
+def judge_outer(ranks: list[list[dict[str, Any]]], cases: list[dict[str, Any]],
+                n: int) -> None:
+    """Raise :class:`WrongAnswer` unless every rank's outer steps (what
+    :func:`outer_on_rank` returned on ``n`` ranks) sent one all-reduce of the
+    pseudo-gradients and left the one-process anchor in ``anchor`` and ``params``."""
+    for c, case in enumerate(cases):
+        truth, bound = _outer_truth(case, n, OUTER_ROUNDS)
+        numel = sum(t.numel() for t in truth[0])
+        where = _("{n} ranks, shapes {shapes}, lr {lr}, momentum {m}").format(
+            n=n, shapes=case["shapes"], lr=case["lr"], m=case["momentum"])
+        for rank in range(n):
+            for r, seen in enumerate(ranks[rank][c]["rounds"]):
+                ops = [op for op, _b in seen["comms"]]
+                sent = sum(b for op, b in seen["comms"] if op == "all_reduce")
+                if set(ops) - {"all_reduce"} or sent != 4 * numel:
+                    raise WrongAnswer(
+                        _("{where}: outer step {r} sent {comms} from rank {rank}; "
+                          "an outer step is one all-reduce of the pseudo-"
+                          "gradients, {nbytes} bytes in all").format(
+                              where=where, r=r + 1, comms=seen["comms"] or _(
+                                  "nothing"), rank=rank, nbytes=4 * numel),
+                        _("average anchor - params over the replicas with "
+                          "dist.all_reduce (ReduceOp.AVG, or SUM and divide by "
+                          "the world size), once per tensor or once flattened"))
+                for name, got in (("anchor", seen["anchor"]),
+                                  ("params", seen["params"])):
+                    _compare(got, truth[r], bound[r], where, rank, r, name)
 
 
 def _compare(got: list[torch.Tensor], want: list[torch.Tensor],
