@@ -1,10 +1,13 @@
 """Chapter 15's checker, the outer step: on 2 and 3 real ranks it accepts every
 valid spelling (an all-reduce per tensor with AVG, one flattened SUM divided by the
 world size, the parameters averaged first, torch's own SGD with the buffers handed
-in) and rejects the plausible wrong ones: plain momentum instead of Nesterov's,
-no all-reduce, an all-gather (more bytes), a buffer rebound instead of updated in
-place, the sign of the pseudo-gradient flipped, a sum not divided, the replica not
-reset to the anchor, and an anchor moved by the parameters' mean plainly. One launch
+in, a barrier besides) and rejects the plausible wrong ones: plain momentum instead
+of Nesterov's, no all-reduce, an all-gather (more bytes), a buffer rebound instead
+of updated in place, the sign of the pseudo-gradient flipped, a sum not divided,
+the replica not reset to the anchor, an anchor moved by the parameters' mean
+plainly, new tensors put into the lists (the caller's are unchanged), momentum kept
+elsewhere than the buffers, and a local step whose anchors are averaged afterwards
+(right anchor, each rank's own buffer). One launch
 per world size runs every answer (the rank-side half); the judging half is applied
 to each."""
 
@@ -125,15 +128,49 @@ def replica_not_reset(params, anchor, buffers, lr, momentum):
         _nesterov(a, b, g, lr, momentum)
 
 
+def with_a_barrier(params, anchor, buffers, lr, momentum):  # sends nothing more
+    dist.barrier()
+    avg_per_tensor(params, anchor, buffers, lr, momentum)
+
+
+def lists_rebound(params, anchor, buffers, lr, momentum):  # the caller sees nothing
+    gs = [a - p for p, a in zip(params, anchor)]
+    for g in gs:
+        dist.all_reduce(g, op=dist.ReduceOp.AVG)
+    buffers[:] = [momentum * b + g for b, g in zip(buffers, gs)]
+    anchor[:] = [a - lr * (g + momentum * b) for a, g, b in zip(anchor, gs, buffers)]
+    params[:] = [a.clone() for a in anchor]
+
+
+def hidden_momentum(params, anchor, buffers, lr, momentum):  # buffers left at zero
+    for p, a in zip(params, anchor):
+        g = a - p
+        dist.all_reduce(g, op=dist.ReduceOp.AVG)
+        if not hasattr(a, "_mom"):
+            a._mom = torch.zeros_like(a)
+        _nesterov(a, a._mom, g, lr, momentum)
+        p.copy_(a)
+
+
+def local_step_then_average(params, anchor, buffers, lr, momentum):
+    # the anchor comes out right (the step is linear), each rank's buffer is its own
+    for p, a, b in zip(params, anchor, buffers):
+        _nesterov(a, b, a - p, lr, momentum)
+        dist.all_reduce(a, op=dist.ReduceOp.AVG)
+        p.copy_(a)
+
+
 def mean_of_params(params, anchor, buffers, lr, momentum):  # local SGD, not DiLoCo
     for p, a, b in zip(params, anchor, buffers):
         dist.all_reduce(p, op=dist.ReduceOp.AVG)
         a.copy_(p)
 
 
-VALID = [avg_per_tensor, sum_flattened, params_averaged_first, torch_sgd]
+VALID = [avg_per_tensor, sum_flattened, params_averaged_first, torch_sgd,
+         with_a_barrier]
 WRONG = [plain_momentum, no_all_reduce, all_gather, buffer_rebound, sign_flipped,
-         sum_not_divided, replica_not_reset, mean_of_params]
+         sum_not_divided, replica_not_reset, mean_of_params, lists_rebound,
+         hidden_momentum, local_step_then_average]
 
 
 def _every_answer(cases: list) -> dict:

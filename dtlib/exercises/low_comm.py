@@ -47,16 +47,16 @@ def _outer_values(case: dict[str, Any], rank: int, n: int, rounds: int
     return anchor, drift
 
 
-def _outer_truth(case: dict[str, Any], n: int, rounds: int
-                 ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-    """One process: the anchor after each round (torch's SGD, Nesterov when the
-    momentum is > 0, stepping on the replicas' mean ``anchor - params``), and per
-    round the entrywise bound on what a right answer may differ by."""
+def _outer_truth(case: dict[str, Any], n: int, rounds: int) -> dict[str, Any]:
+    """One process: per round, the anchor and the momentum buffers after it
+    (torch's SGD with Nesterov momentum, stepping on the replicas' mean ``anchor -
+    params``; its buffer is ``momentum * buffer + g``), and the entrywise bounds on
+    what a right answer's anchor and buffers may differ by."""
     anchor, drift = _outer_values(case, 0, n, rounds)
     anchor = [a.clone() for a in anchor]
     m, lr = case["momentum"], case["lr"]
     outer = torch.optim.SGD(anchor, lr=lr, momentum=m, nesterov=m > 0)
-    after, bounds = [], []
+    after, bounds, buffers, buffer_bounds = [], [], [], []
     e_buf = [torch.zeros_like(a) for a in anchor]
     e_anchor = [torch.zeros_like(a) for a in anchor]
     eps = torch.finfo(torch.float32).eps
@@ -82,19 +82,24 @@ def _outer_truth(case: dict[str, Any], n: int, rounds: int
             grads = [a.grad.abs() for a in anchor]
             outer.step()
             for i, a in enumerate(anchor):  # each product and sum of the update
-                buf = outer.state[a].get("momentum_buffer")
-                size = grads[i] + (2 * m * buf.abs() if buf is not None else 0)
+                buf = outer.state[a]["momentum_buffer"]
+                size = grads[i] + 2 * m * buf.abs()
                 e_anchor[i] += 4 * eps * (before[i] + a.abs() + lr * size)
+                e_buf[i] += 2 * eps * buf.abs()  # its own product and sum
         after.append([a.detach().clone() for a in anchor])
         bounds.append([e.clone() + 1e-30 for e in e_anchor])
-    return after, bounds
+        buffers.append([outer.state[a]["momentum_buffer"].clone() for a in anchor])
+        buffer_bounds.append([e.clone() + 1e-30 for e in e_buf])
+    return {"anchor": after, "bound": bounds, "buffers": buffers,
+            "buffer_bound": buffer_bounds}
 
 
 def outer_on_rank(outer_step: Callable[..., Any], cases: list[dict[str, Any]],
                   rounds: int) -> list[dict[str, Any]]:
     """On one rank and per case: ``rounds`` outer steps of the learner's function
-    from the drawn values, each counted; what the parameters, the anchor and the
-    buffers hold after each."""
+    from the drawn values, each counted; what the caller's own tensors (the
+    parameters, the anchor and the buffers it handed in, whatever the lists hold
+    afterwards) hold after each."""
     import torch.distributed as dist
 
     from dtlib.collectives.accounting import count_comms
@@ -110,12 +115,14 @@ def outer_on_rank(outer_step: Callable[..., Any], cases: list[dict[str, Any]],
             with torch.no_grad():
                 for p, a, d in zip(params, anchor, drift[r][rank]):
                     p.copy_(a + d)  # this replica after its inner steps
-            with count_comms() as log:
-                outer_step(params, anchor, buffers, case["lr"], case["momentum"])
+            with count_comms() as log:  # fresh lists: the tensors are the caller's
+                outer_step(list(params), list(anchor), list(buffers), case["lr"],
+                           case["momentum"])
             seen.append({"params": [p.detach().clone() for p in params],
                          "anchor": [a.detach().clone() for a in anchor],
+                         "buffers": [b.detach().clone() for b in buffers],
                          "comms": [(c.op, c.bytes) for c in log.records]})
-        out.append({"rounds": seen, "buffers": [b.clone() for b in buffers]})
+        out.append({"rounds": seen})
     return out
 
 
@@ -153,13 +160,14 @@ def judge_outer(ranks: list[list[dict[str, Any]]], cases: list[dict[str, Any]],
     :func:`outer_on_rank` returned on ``n`` ranks) sent one all-reduce of the
     pseudo-gradients and left the one-process anchor in ``anchor`` and ``params``."""
     for c, case in enumerate(cases):
-        truth, bound = _outer_truth(case, n, OUTER_ROUNDS)
-        numel = sum(t.numel() for t in truth[0])
+        truth = _outer_truth(case, n, OUTER_ROUNDS)
+        numel = sum(t.numel() for t in truth["anchor"][0])
         where = _("{n} ranks, shapes {shapes}, lr {lr}, momentum {m}").format(
             n=n, shapes=case["shapes"], lr=case["lr"], m=case["momentum"])
         for rank in range(n):
             for r, seen in enumerate(ranks[rank][c]["rounds"]):
-                ops = [op for op, _b in seen["comms"]]
+                # a barrier sends nothing; any other collective is more traffic
+                ops = [op for op, _b in seen["comms"] if op != "barrier"]
                 sent = sum(b for op, b in seen["comms"] if op == "all_reduce")
                 if set(ops) - {"all_reduce"} or sent != 4 * numel:
                     raise WrongAnswer(
@@ -173,26 +181,35 @@ def judge_outer(ranks: list[list[dict[str, Any]]], cases: list[dict[str, Any]],
                           "the world size), once per tensor or once flattened"))
                 for name, got in (("anchor", seen["anchor"]),
                                   ("params", seen["params"])):
-                    _compare(got, truth[r], bound[r], where, rank, r, name)
+                    _compare(got, truth["anchor"][r], truth["bound"][r], where, rank,
+                             r, name)
+                _compare(seen["buffers"], truth["buffers"][r],
+                         truth["buffer_bound"][r], where, rank, r, "buffers")
 
 
 def _compare(got: list[torch.Tensor], want: list[torch.Tensor],
              bound: list[torch.Tensor], where: str, rank: int, r: int, name: str
              ) -> None:
-    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
-        raise WrongAnswer(_("{where}: on rank {rank}, {name} no longer holds one "
-                            "tensor of each shape it was given").format(
-            where=where, rank=rank, name=name))
+    """Raise unless each of the caller's ``name`` tensors (anchor, params or
+    buffers) is the one-process value within its bound."""
     diff = max(((g - w).abs() - b).max().item() for g, w, b in zip(got, want, bound))
-    if diff > 0:
-        worst = max((g - w).abs().max().item() for g, w in zip(got, want))
-        hint = _("every replica restarts from the new anchor: copy it into params"
-                 ) if name == "params" else _(
-            "the pseudo-gradient is anchor - params; Nesterov: buffer = momentum * "
-            "buffer + g, then anchor -= lr * (g + momentum * buffer), the buffer "
-            "kept in place for the next outer step")
-        what = _("the parameters") if name == "params" else _("the anchor")
+    if diff <= 0:
+        return
+    worst = max((g - w).abs().max().item() for g, w in zip(got, want))
+    update = _("the pseudo-gradient is anchor - params; Nesterov: buffer = momentum * "
+               "buffer + g, then anchor -= lr * (g + momentum * buffer); update the "
+               "tensors you are given in place (the caller keeps them, not the "
+               "lists)")
+    if name == "buffers":
         raise WrongAnswer(
-            _("{where}: after outer step {r}, {what} on rank {rank} differ from the "
-              "one-process anchor (largest difference {diff:.2e})").format(
-                  where=where, r=r + 1, what=what, rank=rank, diff=worst), hint)
+            _("{where}: after outer step {r}, the momentum buffers on rank {rank} "
+              "are not momentum * buffer + the mean pseudo-gradient (largest "
+              "difference {diff:.2e}); the next outer step reads them").format(
+                  where=where, r=r + 1, rank=rank, diff=worst), update)
+    hint = _("every replica restarts from the new anchor: copy it into the "
+             "parameters you were given (p.copy_(a))") if name == "params" else update
+    what = _("the parameters") if name == "params" else _("the anchor")
+    raise WrongAnswer(
+        _("{where}: after outer step {r}, {what} on rank {rank} differ from the "
+          "one-process anchor (largest difference {diff:.2e})").format(
+              where=where, r=r + 1, what=what, rank=rank, diff=worst), hint)
