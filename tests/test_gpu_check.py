@@ -38,7 +38,7 @@ def test_exit_status_fails_on_a_failed_check():
 
 
 @pytest.mark.parametrize("check", ["ch0", "ch2", "ch3", "ch4", "ch6", "ch7",
-                                   "ch14", "capstone"])
+                                   "ch14", "ch15", "capstone"])
 def test_each_chapter_check_runs_and_passes_on_gloo(check, monkeypatch):
     monkeypatch.setattr(gpu, "EXPECT_BACKEND", "gloo")
     ok, detail = gpu.RUNNERS[check](2, 200.0)

@@ -6,6 +6,9 @@ On one node with CUDA it runs, with as many ranks as GPUs and NCCL:
   FSDP2 started on the meta device, a rank killed and the run restarted by torchrun),
   each compared with one process (or, for chapter 2's primitives, with the same
   ranks on gloo), as the CPU tests do;
+- ``ch15``: our PowerSGD hook against torch's ``powerSGD_hook`` on torch DDP (the
+  same losses), DiLoCo's replicas all at the one anchor after each outer step, and
+  the slow link holding NCCL's collectives (a DDP step at least its link time);
 - ``ch7``: the book's ZeRO-3 under the bf16 ``MixedPrecisionPolicy`` against FSDP2's
   under the same policy on the same NCCL ranks, and the bytes of its collectives;
 - ``collectives``: bus bandwidth of ``all_reduce`` (nccl-tests' busbw = algbw x
@@ -49,8 +52,8 @@ from dtlib.runtime.dist import world
 
 #: Printed lines instead of a table (read by ``python -m dtlib.bench``).
 PRINTS_LINES = True
-CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "ch14", "capstone", "collectives",
-          "matmul", "memory", "time_ddp", "time_fsdp2")
+CHECKS = ("ch0", "ch2", "ch3", "ch4", "ch6", "ch7", "ch14", "ch15", "capstone",
+          "collectives", "matmul", "memory", "time_ddp", "time_fsdp2")
 #: Dense datasheet peaks in TFLOP/s: (bf16, fp16, tf32), matched on the device name.
 PEAKS = (("H100 PCIe", (756.0, 756.0, 378.0)), ("H100", (989.4, 989.4, 494.7)),
          ("H200", (989.4, 989.4, 494.7)), ("GH200", (989.4, 989.4, 494.7)),
@@ -149,6 +152,41 @@ def experts_rank(moe: Any, steps: int) -> dict[str, Any]:
 
 # ---- the checks: each returns (ok, detail) -------------------------------------------
 
+def low_comm_rank(steps: int) -> dict[str, Any]:
+    """Chapter 15 on this world: PowerSGD ours and torch's, DiLoCo, a slow-link DDP."""
+    import numpy as np
+
+    from dtlib.low_comm import DiLoCo
+    from dtlib.low_comm.link import Method
+    from dtlib.low_comm.timing import (BATCH, INNER, LOW_GPT, token_batches,
+                                       train_methods)
+    from dtlib.models.gpt import build_gpt
+    from dtlib.models.run import RunConfig, run_steps
+
+    # a learnable sequence (each token 7 more than the one before, mod 256)
+    tokens = (np.arange(40_000) * 7 % 256).astype(np.uint16)
+    ours, theirs = train_methods(tokens, [
+        Method("powersgd", rank=2, start_iter=2),
+        Method("powersgd", rank=2, start_iter=2, library=True)], [steps, steps])
+    diloco = run_steps(DiLoCo(2), build_gpt(LOW_GPT, seed=0),
+                       token_batches(tokens, LOW_GPT.seq_len, BATCH),
+                       RunConfig(2 * steps, optimizer_kwargs=dict(INNER),
+                                 record_grads=False))
+    slow = train_methods(tokens, [Method("ddp")], [3], (2e-3, 1e-9))[0]
+    return {"ours": ours["losses"], "theirs": theirs["losses"],
+            "anchor": diloco.params, "diloco_losses": diloco.losses,
+            "slow_times": slow["step_times"],
+            "slow_held": [sum(seconds for _op, seconds in _held(step))
+                          for step in slow["messages"]]}
+
+
+def _held(messages: list[tuple[str, int]]) -> list[tuple[str, float]]:
+    from dtlib.collectives.cost_model import link_seconds
+
+    n = dist.get_world_size()
+    return [(op, link_seconds(op, nbytes, n, 2e-3, 1e-9)) for op, nbytes in messages]
+
+
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].cpu() - b[k].cpu()).abs().max()) for k in b)
 
@@ -246,6 +284,21 @@ def check_ch14(n: int, timeout: float) -> tuple[bool, str]:
     ok = max(worst, grad) <= GRAD_ATOL and loss <= LOSS_ATOL and param <= 1e-4
     return ok, (f"MoE layer and GPT, experts over {n} ranks vs one process: layer out "
                 f"{worst:.1e}, loss {loss:.1e}, grad {grad:.1e}, param {param:.1e}")
+
+
+def check_ch15(n: int, timeout: float) -> tuple[bool, str]:
+    res = launch.spawn(low_comm_rank, n, 4, timeout=timeout, stream=False)
+    hooks = max(abs(a - b) for r in res for a, b in zip(r["ours"], r["theirs"]))
+    # every replica restarts from the one anchor: the same bits on every rank
+    spread = max(_max_diff(r["anchor"], res[0]["anchor"]) for r in res)
+    falls = res[0]["diloco_losses"][-1] < res[0]["diloco_losses"][0]
+    slack = min(t - h for r in res for t, h in zip(r["slow_times"][1:],
+                                                     r["slow_held"][1:]))
+    ok = hooks <= LOSS_ATOL and spread == 0 and falls and slack >= 0
+    return ok, (f"PowerSGD ours vs torch's, max |loss diff| {hooks:.1e}; DiLoCo's "
+                f"replicas after the outer steps differ by {spread:.1e}, loss "
+                f"{'falls' if falls else 'does not fall'}; slow-link DDP step minus "
+                f"its link time, least {1e3 * slack:.1f} ms")
 
 
 def check_capstone(n: int, timeout: float) -> tuple[bool, str]:
@@ -383,7 +436,7 @@ def check_time_fsdp2(n: int, timeout: float) -> tuple[bool, str]:
 
 RUNNERS: dict[str, Callable[[int, float], tuple[bool, str]]] = {
     "ch0": check_ch0, "ch2": check_ch2, "ch3": check_ch3, "ch4": check_ch4,
-    "ch6": check_ch6, "ch7": check_ch7, "ch14": check_ch14,
+    "ch6": check_ch6, "ch7": check_ch7, "ch14": check_ch14, "ch15": check_ch15,
     "capstone": check_capstone, "collectives": check_collectives,
     "matmul": check_matmul, "memory": check_memory, "time_ddp": check_time_ddp,
     "time_fsdp2": check_time_fsdp2}
