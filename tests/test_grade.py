@@ -1,7 +1,12 @@
 """The course grader: ``python -m dtlib.exercises grade`` executes notebooks headless
 and gives one row per exercise. On the book's notebook every exercise is correct, on
 a fresh learner copy every one is not attempted, and on a copy with one wrong answer
-exactly that one is wrong (one grading run for the three, in one folder)."""
+exactly that one is wrong (one grading run for the three, in one folder).
+
+The graded copies keep Chapter 0's prose, its first code cell (the imports) and its
+exercise cells, and leave out its demonstrations (launches, a hang rehearsal): the
+grader judges exercises, nbval runs the whole notebook already, and the three runs
+would otherwise take most of a minute."""
 
 from __future__ import annotations
 
@@ -28,19 +33,30 @@ def _grade(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def _exercises_only(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """``nb`` with its prose, its first code cell and the cells that call a
+    checker."""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    nb.cells = [c for c in nb.cells if c.cell_type != "code" or c is code[0]
+                or "check_" in c.source]
+    return nb
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     course = tmp_path_factory.mktemp("course")
-    book = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
+    book = _exercises_only(nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4))
     nbformat.write(book, course / "book.ipynb")
-    wrong = nbformat.read(ROOT / "notebooks" / NOTEBOOK, as_version=4)
+    wrong = _exercises_only(nbformat.read(ROOT / "notebooks" / NOTEBOOK,
+                                          as_version=4))
     cells = [c for c in wrong.cells if RIGHT in c.source]
     assert len(cells) == 1, "the solution this test edits moved"
     cells[0].source = cells[0].source.replace(RIGHT, WRONG)
     nbformat.write(wrong, course / "one_wrong.ipynb")
     fresh = tmp_path_factory.mktemp("fresh")
     strip_tree(str(ROOT / "notebooks"), str(fresh))
-    (course / "fresh.ipynb").write_bytes((fresh / NOTEBOOK).read_bytes())
+    nbformat.write(_exercises_only(nbformat.read(fresh / NOTEBOOK, as_version=4)),
+                   course / "fresh.ipynb")
     return _grade(str(course), "--json"), course
 
 

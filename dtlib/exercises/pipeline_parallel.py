@@ -344,7 +344,9 @@ def pipeline_step_verdicts(steps: Sequence[Callable[..., Any]]
 
     Taught in: Chapter 6, exercise "One GPipe step on two ranks".
     """
-    ranks = run_on_ranks(_pp_on_rank, tuple(steps), 2, timeout=30,
+    # a right step takes well under a second a shape: a hang (a receive nobody
+    # sends) is reported after 10 s, and 5 s more for each step judged
+    ranks = run_on_ranks(_pp_on_rank, tuple(steps), 2, timeout=10 + 5 * len(steps),
                          what=_("your pipeline step"))
     verdicts: list[WrongAnswer | None] = []
     for k in range(len(steps)):

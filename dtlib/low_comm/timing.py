@@ -31,7 +31,7 @@ from dtlib.low_comm.link import Method
 LOW_GPT = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, hidden=64, n_heads=4)
 #: Global batch (sequences per step, over the replicas) and the inner AdamW.
 BATCH = 16
-INNER = {"lr": 3e-3, "weight_decay": 0.0}
+INNER = {"lr": 3e-3, "weight_decay": 0.0, "foreach": True}  # one kernel a step
 
 
 def fit_link(alpha: float, beta: float, sizes: list[int], repeats: int = 3
