@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from dtlib.collectives.cost_model import link_seconds
-from dtlib.low_comm.link import (Method, cluster_step, gpt_matrices, link_step_seconds,
-                                 messages_of_step)
+from dtlib.low_comm.link import Method, cluster_step, link_step_seconds, messages_of_step
 from dtlib.low_comm.timing import LOW_GPT, train_methods
-from dtlib.models.gpt import build_gpt
+from dtlib.models.gpt import GPTConfig, build_gpt, meta_gpt
 from dtlib.runtime import launch
 
 METHODS = [Method("ddp"), Method("powersgd", rank=2, start_iter=2),
@@ -72,7 +71,9 @@ def test_the_model_prices_what_each_method_sends(world_size) -> None:
 
 
 def test_the_cluster_model() -> None:
-    shapes = gpt_matrices(24, 2048, 50257, 2048)
+    gpt = meta_gpt(GPTConfig(vocab_size=50257, seq_len=2048, n_layers=24, hidden=2048,
+                             n_heads=16))
+    shapes = [tuple(p.shape) for p in gpt.parameters()]
     psi = sum(math.prod(s) for s in shapes)
     kw = dict(tokens=2**19, flops_per_s=4e15, replicas=8, latency_s=1e-3)
     slow = {m.label: cluster_step(m, shapes, bandwidth_bytes_per_s=1.25e9, **kw)

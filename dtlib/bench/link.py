@@ -45,14 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tokens() -> Any:
-    from dtlib.train.tokens import load_tokenizer, open_tokens, prepare
+    """The book's own text as byte tokens, read into memory (the token file is
+    written to a temporary directory, removed again)."""
+    import numpy as np
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = tempfile.mkdtemp(prefix="dtlib-bench-link-")
-    prepare([os.path.join(root, "book", "*.md"), os.path.join(root, "dtlib", "**",
-                                                               "*.py")],
-            load_tokenizer("bytes"), os.path.join(out, "tokens"))
-    return open_tokens(os.path.join(out, "tokens"))[0]
+    from dtlib.train.tokens import open_tokens, prepare_book_text
+
+    with tempfile.TemporaryDirectory(prefix="dtlib-bench-link-") as out:
+        prepare_book_text(os.path.join(out, "tokens"))
+        return np.array(open_tokens(os.path.join(out, "tokens"))[0])
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

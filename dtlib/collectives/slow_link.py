@@ -35,7 +35,7 @@ from typing import Any, ContextManager, Iterator
 from dtlib.collectives.accounting import count_comms
 from dtlib.collectives.comm_log import CommLog, CommRecord
 from dtlib.collectives.cost_model import check_link, link_seconds
-from dtlib.models.run import Callback
+from dtlib.models.run import Callback, StepEnd
 
 __all__ = ["SlowLink", "slow_link", "SlowLinkSteps"]
 
@@ -96,13 +96,18 @@ def slow_link(alpha: float, beta: float) -> ContextManager[SlowLink]:
 class SlowLinkSteps(Callback):
     """The one loop's callback that runs every step on one :class:`SlowLink`:
     ``run_steps(..., callbacks=[SlowLinkSteps(alpha, beta)])``; the run's
-    ``step_times`` are then the slow link's, ``link.seconds()`` what it charged.
+    ``step_times`` are then the slow link's, ``link.seconds()`` what it charged and
+    :attr:`messages` each step's collectives on it, ``(op, bytes)``.
 
     Taught in: Chapter 15, "A slow link you can measure".
     """
 
     def __init__(self, alpha: float, beta: float) -> None:
         self.link = SlowLink(alpha, beta)
+        self.messages: list[list[tuple[str, int]]] = []
 
     def step_context(self, step: int) -> ContextManager[Any]:
         return self.link.block()
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.messages.append([(r.op, r.bytes) for r in self.link.log.records])

@@ -43,7 +43,7 @@ from dtlib.collectives.cost_model import link_seconds
 from dtlib.low_comm.powersgd import powersgd_elements
 
 __all__ = ["METHODS", "Method", "messages_of_step", "link_step_seconds",
-           "predict_on_link", "gpt_matrices", "cluster_step"]
+           "predict_on_link", "cluster_step"]
 
 #: The methods the link model prices.
 METHODS = ("ddp", "powersgd", "diloco")
@@ -131,17 +131,6 @@ def predict_on_link(method: Method, shapes: Sequence[tuple[int, ...]],
         method, shapes, s, world_size, alpha, beta, buffer_bytes) for s in steps)
 
 
-def gpt_matrices(n_layers: int, hidden: int, vocab_size: int, seq_len: int
-                 ) -> list[tuple[int, ...]]:
-    """The parameter shapes of the book's GPT (tied head): the embeddings, per block
-    the attention's (3h, h) and (h, h) and the MLP's (4h, h) and (h, 4h) weights,
-    its biases and norms."""
-    h = hidden
-    block = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h),
-             (h,), (h,), (h,), (h,), (h,)]
-    return [(vocab_size, h), (seq_len, h)] + block * n_layers + [(h,), (h,)]
-
-
 def cluster_step(method: Method, shapes: Sequence[tuple[int, ...]], tokens: int,
                  flops_per_s: float, replicas: int, bandwidth_bytes_per_s: float,
                  latency_s: float) -> dict[str, float]:
@@ -149,7 +138,8 @@ def cluster_step(method: Method, shapes: Sequence[tuple[int, ...]], tokens: int,
 
     Args:
         method: what to price.
-        shapes: the model's parameter shapes (:func:`gpt_matrices`).
+        shapes: the model's parameter shapes (a model built on the meta device
+            holds them at no memory cost: ``dtlib.models.gpt.meta_gpt``).
         tokens: tokens each replica computes per step.
         flops_per_s: FLOP/s a replica reaches (its peak times its MFU).
         replicas: data-parallel replicas (one per node: the link is the node's).

@@ -1,4 +1,4 @@
-"""Gradient compression as a DDP communication hook: PowerSGD and 16-bit gradients.
+"""Gradient compression as a DDP communication hook: PowerSGD.
 
 A *communication hook* replaces the all-reduce of one gradient bucket. DDP hands it
 the bucket (one flat buffer holding several gradients) and takes back a future whose
@@ -16,15 +16,13 @@ torch's ``model.register_comm_hook(state, hook)`` and Chapter 3's
   approximation misses stays on the rank (*error feedback*) and is added to the
   next step's gradient; each step starts from the last step's Q (*warm start*), so
   one power-iteration step per training step converges over the steps.
-- :func:`low_precision_hook`: cast the bucket to bfloat16 or float16, all-reduce,
-  cast back: half the bytes, every element rounded to 8 or 11 bits.
+- the 16-bit hook is :mod:`dtlib.low_comm.low_precision`.
 
-The schedule and the arithmetic are torch's ``powerSGD_hook`` and
-``bf16_compress_hook``/``fp16_compress_hook``, written out, so that the same
-settings train the same model bit for bit (the tests prove it): plain all-reduces
-before ``start_iter``, the same rule for what is compressed, the same order of the
-matrices in the P and Q buffers (grouped by shape), the same random Q from the same
-seed, and Gram-Schmidt for ``r <= 2`` (QR above).
+The schedule and the arithmetic are torch's ``powerSGD_hook``, written out, so that
+the same settings train the same model bit for bit (the tests prove it): plain
+all-reduces before ``start_iter``, the same rule for what is compressed, the same
+order of the matrices in the P and Q buffers (grouped by shape), the same random Q
+from the same seed, and Gram-Schmidt for ``r <= 2`` (QR above).
 
 Taught in: Chapter 15, "When the network is slow".
 """
@@ -41,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PowerSGDState", "powersgd_hook", "should_compress", "powersgd_elements",
-           "powersgd_bytes", "LowPrecisionState", "low_precision_hook"]
+           "powersgd_bytes"]
 
 
 # ---- the arithmetic -----------------------------------------------------------------
@@ -360,44 +358,3 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket
         del state.qs[b]
     state.iteration += bucket.is_last()
     return _done(buffer)
-
-
-# ---- 16-bit gradients ---------------------------------------------------------------
-
-@dataclass
-class LowPrecisionState:
-    """What :func:`low_precision_hook` needs: the dtype on the wire and the group.
-
-    Args:
-        dtype: ``torch.bfloat16`` (fp32's range, 8 bits of precision) or
-            ``torch.float16`` (11 bits, but values under 6e-5 lose bits and over
-            65504 overflow).
-        group: the data-parallel process group (default: the whole world).
-
-    Taught in: Chapter 15, "Fewer bits per gradient".
-    """
-
-    dtype: torch.dtype = torch.bfloat16
-    group: Any = None
-
-    def __post_init__(self) -> None:
-        allowed = (torch.bfloat16, torch.float16)
-        if self.dtype not in allowed:
-            raise ValueError(f"LowPrecisionState(dtype={self.dtype!r}): must be one "
-                             f"of {allowed}")
-
-
-def low_precision_hook(state: LowPrecisionState, bucket: dist.GradBucket
-                       ) -> torch.futures.Future[torch.Tensor]:
-    """Cast the bucket to ``state.dtype``, divide by the world size, all-reduce
-    (sum), cast back into the bucket's buffer: half the bytes of fp32.
-
-    Dividing first keeps float16's sum of ``N`` ranks from overflowing; the
-    division by a power of two is exact (above float16's subnormals).
-
-    Taught in: Chapter 15, "Fewer bits per gradient".
-    """
-    buffer = bucket.buffer()
-    small = buffer.to(state.dtype).div_(dist.get_world_size(state.group))
-    work = dist.all_reduce(small, group=state.group, async_op=True)
-    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0]))

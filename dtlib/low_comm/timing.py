@@ -23,7 +23,7 @@ from dtlib.data_parallel.parallelism import DataParallelism
 from dtlib.low_comm.diloco import DiLoCo
 from dtlib.low_comm.powersgd import PowerSGDState, powersgd_hook
 from dtlib.models.gpt import GPTConfig, build_gpt
-from dtlib.models.run import Callback, RunConfig, StepEnd, run_steps
+from dtlib.models.run import RunConfig, run_steps
 from dtlib.low_comm.link import Method
 
 #: The chapter's GPT: the byte tokenizer's 256 ids, small enough for 300 steps of
@@ -89,19 +89,6 @@ def method_parallelism(method: Method) -> Any:
     return ddp_parallelism("torch")
 
 
-class _PerStep(Callback):
-    """Each step's collectives on the link, ``(op, bytes)``, kept after the step (the
-    slow link's callback comes first and holds the step's log)."""
-
-    def __init__(self) -> None:
-        self.messages: list[list[tuple[str, int]]] = []
-        self.link: Any = None
-
-    def on_step_end(self, end: StepEnd) -> None:
-        log = self.link.link.log
-        self.messages.append([(r.op, r.bytes) for r in log.records])
-
-
 def train_methods(tokens: Any, methods: list[Method], steps: list[int],
                   link: tuple[float, float] | None = None) -> list[dict[str, Any]]:
     """On every rank: each method trains the chapter's GPT from the same start for
@@ -112,11 +99,7 @@ def train_methods(tokens: Any, methods: list[Method], steps: list[int],
     message bytes it charged, and each step's ``(op, bytes)`` on the link."""
     out = []
     for method, n_steps in zip(methods, steps):
-        callbacks: list[Any] = []
-        if link is not None:
-            per_step = _PerStep()
-            callbacks = [SlowLinkSteps(*link), per_step]
-            per_step.link = callbacks[0]
+        callbacks = [SlowLinkSteps(*link)] if link is not None else []
         config = RunConfig(n_steps, optimizer_kwargs=dict(INNER), record_grads=False,
                            record_params=False)
         res = run_steps(method_parallelism(method), build_gpt(LOW_GPT, seed=0),
@@ -125,9 +108,9 @@ def train_methods(tokens: Any, methods: list[Method], steps: list[int],
         row = {"label": method.label, "losses": res.losses,
                "step_times": res.step_times}
         if callbacks:
-            link_used = callbacks[0].link
-            row.update(link_s=link_used.seconds(), bytes=link_used.sent_bytes,
-                       messages=callbacks[1].messages)
+            row.update(link_s=callbacks[0].link.seconds(),
+                       bytes=callbacks[0].link.sent_bytes,
+                       messages=callbacks[0].messages)
         out.append(row)
     return out
 

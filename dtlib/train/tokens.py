@@ -29,7 +29,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Tokenizer", "load_tokenizer", "token_dtype", "prepare", "read_meta",
+__all__ = ["Tokenizer", "load_tokenizer", "token_dtype", "prepare", "BOOK_TEXT",
+           "prepare_book_text", "read_meta",
            "open_tokens", "TOKENS", "META"]
 
 TOKENS, META = "tokens.bin", "meta.json"
@@ -159,6 +160,23 @@ def prepare(patterns: Sequence[str], tokenizer: Tokenizer, out: str,
         json.dump(meta, f, indent=1)
     os.replace(tmp, meta_path)
     return meta
+
+
+#: The book's own prose and dtlib's code, relative to the repository: real text to
+#: train on with nothing to download (the README's example, Chapter 15's runs).
+BOOK_TEXT = ("book/*.md", "dtlib/**/*.py")
+
+
+def prepare_book_text(out: str) -> dict:
+    """Tokenize :data:`BOOK_TEXT` with the byte tokenizer into ``out`` (refused, as
+    :func:`prepare` refuses, where ``out`` holds a token file), from wherever the
+    caller runs. Returns the metadata.
+
+    Taught in: Chapter 15, "Loss against tokens, on this book's text".
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return prepare([os.path.join(root, p) for p in BOOK_TEXT], load_tokenizer("bytes"),
+                   out)
 
 
 def read_meta(directory: str) -> dict:
